@@ -1,0 +1,190 @@
+"""Compile the CUDA kernels with CuPy and launch them.
+
+Modules are compiled on first use per device (never at import) with
+``cupy.RawModule`` from the sources of :mod:`cupy_amp.kernel_sources`; plain
+``extern "C"`` entry points keep CuPy's on-disk compile cache in use.
+Launches go on the current stream of the current device.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import cupy
+import numpy as np
+
+from cupy_amp.kernel_sources import NVRTC_OPTIONS, read_kernel_source
+
+__all__ = [
+    "CHUNK_SIZE",
+    "THREADS_PER_BLOCK",
+    "DeviceTable",
+    "build_device_table",
+    "kernel_dtype_name",
+    "launch_scale_loss",
+    "launch_unscale_check",
+]
+
+CHUNK_SIZE = 65536
+THREADS_PER_BLOCK = 512
+_DESC_WORDS = 4
+_MAX_GRID = 2**31 - 1
+_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+
+_lock = threading.Lock()
+_modules: dict[tuple[int, str], Any] = {}
+
+
+def kernel_dtype_name(dtype: np.dtype[Any]) -> str | None:
+    """Return the suffix of the entry points for ``dtype``, or None if no kernel handles it."""
+    return _DTYPE_NAMES.get(np.dtype(dtype))
+
+
+def _function(file_name: str, entry: str) -> Any:
+    device_id = cupy.cuda.Device().id
+    key = (device_id, file_name)
+    module = _modules.get(key)
+    if module is None:
+        with _lock:
+            module = _modules.get(key)
+            if module is None:
+                module = cupy.RawModule(code=read_kernel_source(file_name), options=NVRTC_OPTIONS)
+                _modules[key] = module
+    return module.get_function(entry)
+
+
+def dense_base(array: cupy.ndarray) -> int | None:
+    """Return the lowest address of ``array`` if its elements fill one gap-free block, else None.
+
+    Dense arrays (C- or F-ordered, transposed, reversed) are walked as flat
+    memory, which is valid because unscaling treats every element alike.
+    """
+    if array.flags.c_contiguous or array.flags.f_contiguous:
+        return int(array.data.ptr)
+    itemsize = array.itemsize
+    dims = sorted((abs(stride), extent) for extent, stride in zip(array.shape, array.strides) if extent > 1)
+    expected = itemsize
+    for stride, extent in dims:
+        if stride != expected:
+            return None
+        expected *= extent
+    low = int(array.data.ptr) + sum(
+        (extent - 1) * stride for extent, stride in zip(array.shape, array.strides) if stride < 0
+    )
+    return low
+
+
+@dataclass
+class DeviceTable:
+    """Device-resident description of the tensors of one (device, dtype) launch.
+
+    The tables are a pure function of the arrays' addresses, shapes, strides
+    and dtype, so a cached table stays right for any arrays with that key,
+    even new ones allocated where freed ones were; it therefore keeps no
+    reference to the arrays (which would pin old gradients in memory when a
+    training loop allocates fresh gradient arrays every step).
+    """
+
+    dtype_name: str
+    chunks: int
+    desc: Any
+    chunk_first: Any
+    chunk_tensor: Any
+    layout: Any
+    tensor_found: Any
+
+
+def _describe(arrays: Sequence[cupy.ndarray]) -> tuple[np.ndarray, list[int], np.ndarray]:
+    rows = np.zeros((len(arrays), _DESC_WORDS), dtype=np.int64)
+    layout: list[int] = []
+    sizes = np.empty(len(arrays), dtype=np.int64)
+    for index, array in enumerate(arrays):
+        sizes[index] = array.size
+        base = dense_base(array)
+        if base is not None:
+            rows[index] = (base, array.size, 0, 0)
+        else:
+            rows[index] = (int(array.data.ptr), array.size, array.ndim, len(layout))
+            layout += list(array.shape)
+            layout += [stride // array.itemsize for stride in array.strides]
+    return rows, layout, sizes
+
+
+def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> DeviceTable:
+    """Describe ``arrays`` (same device and dtype) in device tables, with one host-to-device copy."""
+    rows, layout, sizes = _describe(arrays)
+    counts = -(-sizes // CHUNK_SIZE)
+    chunks = int(counts.sum())
+    starts = np.repeat(np.cumsum(counts) - counts, counts)
+    chunk_first = (np.arange(chunks, dtype=np.int64) - starts) * CHUNK_SIZE
+    chunk_tensor = np.repeat(np.arange(len(arrays), dtype=np.int64), counts)
+    host = np.concatenate([rows.ravel(), chunk_first, chunk_tensor, np.asarray(layout or [0], dtype=np.int64)])
+    device = cupy.empty(host.size, dtype=np.int64)
+    device.set(host, stream=cupy.cuda.get_current_stream())
+    n_desc = rows.size
+    return DeviceTable(
+        dtype_name=dtype_name,
+        chunks=chunks,
+        desc=device[:n_desc],
+        chunk_first=device[n_desc : n_desc + chunks],
+        chunk_tensor=device[n_desc + chunks : n_desc + 2 * chunks],
+        layout=device[n_desc + 2 * chunks :],
+        tensor_found=cupy.zeros(len(arrays), dtype=np.int32),
+    )
+
+
+def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: cupy.ndarray) -> None:
+    """Launch the fused unscale-and-check over ``table`` on the current stream.
+
+    Sets ``found[0]`` and ``table.tensor_found[i]`` to ``epoch`` where inf/nan was seen.
+    """
+    if table.chunks == 0:
+        return
+    kernel = _function("unscale_check.cu", f"cupy_amp_unscale_check_{table.dtype_name}")
+    kernel(
+        (min(table.chunks, _MAX_GRID),),
+        (THREADS_PER_BLOCK,),
+        (
+            table.desc,
+            table.chunk_first,
+            table.chunk_tensor,
+            table.layout,
+            np.int64(table.chunks),
+            np.int64(CHUNK_SIZE),
+            np.float32(inv_scale),
+            np.int32(epoch),
+            found,
+            table.tensor_found,
+        ),
+    )
+
+
+def launch_scale_loss(loss: cupy.ndarray, dtype_name: str, scale: np.float32) -> None:
+    """Multiply ``loss`` in place by ``scale`` on the current stream."""
+    if loss.size == 0:
+        return
+    base = dense_base(loss)
+    if base is not None:
+        ndim, layout = 0, None
+    else:
+        base, ndim = int(loss.data.ptr), loss.ndim
+        host_layout = np.array(list(loss.shape) + [s // loss.itemsize for s in loss.strides], dtype=np.int64)
+        layout = cupy.empty(host_layout.size, dtype=np.int64)
+        layout.set(host_layout, stream=cupy.cuda.get_current_stream())
+    kernel = _function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}")
+    blocks = min(-(-loss.size // CHUNK_SIZE), _MAX_GRID)
+    kernel(
+        (blocks,),
+        (THREADS_PER_BLOCK,),
+        (
+            np.uint64(base),
+            np.int64(loss.size),
+            np.int32(ndim),
+            layout if layout is not None else np.uint64(0),
+            np.int64(CHUNK_SIZE),
+            np.float32(scale),
+        ),
+    )

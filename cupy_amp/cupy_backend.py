@@ -1,0 +1,173 @@
+"""The CuPy backend: fused CUDA kernels with the NumPy backend's exact bits.
+
+Gradients are grouped by (device, dtype); each group is one launch of the
+multi-tensor kernel over device tables that are cached for the common case
+where the same arrays come back every step. The only synchronization is the
+read-back of one overflow flag per device (and, only when that flag is set,
+of the per-gradient flags).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cupy_amp.array_backend import byte_extent
+
+try:
+    import cupy
+except ImportError:  # the NumPy path works without CuPy
+    cupy = None
+
+__all__ = ["CupyBackend", "CupyOverflowCheck", "cupy_backend"]
+
+_TABLE_CACHE_SIZE = 16
+
+
+@dataclass(frozen=True)
+class CupyOverflowCheck:
+    """Overflow result of one call, already read back from the device(s)."""
+
+    overflow: bool
+    positions: tuple[int, ...]
+
+    def found_overflow(self) -> bool:
+        """Return True if any gradient held inf/nan (already read: never synchronizes)."""
+        return self.overflow
+
+    def nonfinite_positions(self) -> list[int]:
+        """Return the positions of the gradients that held inf/nan."""
+        return list(self.positions)
+
+
+class _FlagSlot:
+    """One device int32 overflow flag and a pinned host word to read it into."""
+
+    def __init__(self) -> None:
+        self.device = cupy.zeros(1, dtype=np.int32)
+        self._pinned = cupy.cuda.alloc_pinned_memory(4)
+        self.host = np.frombuffer(self._pinned, dtype=np.int32, count=1)
+
+    def read(self, stream: Any) -> int:
+        """Copy the flag to the host on ``stream`` and wait for it (the one synchronization)."""
+        cupy.cuda.runtime.memcpyAsync(
+            self.host.ctypes.data, self.device.data.ptr, 4, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
+        stream.synchronize()
+        return int(self.host[0])
+
+
+class CupyBackend:
+    """Array operations on ``cupy.ndarray`` (and zero-copy views of CUDA arrays)."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        from cupy_amp import cuda_kernels
+
+        self._kernels = cuda_kernels
+        self._lock = threading.Lock()
+        self._tables: OrderedDict[Hashable, Any] = OrderedDict()
+        self._flags: dict[tuple[int, int], _FlagSlot] = {}
+        self._epochs = itertools.count(1)
+
+    def coerce(self, obj: Any) -> Any | None:
+        if isinstance(obj, cupy.ndarray):
+            return obj
+        try:
+            if hasattr(obj, "__cuda_array_interface__"):
+                return cupy.asarray(obj)
+            if hasattr(obj, "__dlpack__"):
+                return cupy.from_dlpack(obj)
+        except Exception:  # not a CUDA array after all (a CPU DLPack tensor, one that needs grad...)
+            return None
+        return None
+
+    def dtype_problem(self, array: Any) -> str | None:
+        if self._kernels.kernel_dtype_name(array.dtype) is not None:
+            return None
+        return f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
+
+    def write_problem(self, array: Any) -> str | None:
+        for extent, stride in zip(array.shape, array.strides):
+            if stride % array.itemsize:
+                return f"its strides {array.strides} are not multiples of its itemsize {array.itemsize}"
+            if stride == 0 and extent > 1:
+                return "it repeats elements (a zero stride, as from broadcasting), so some would be scaled twice"
+        return None
+
+    def memory_extent(self, array: Any) -> tuple[Hashable, int, int]:
+        start, stop = byte_extent(int(array.data.ptr), array.shape, array.strides, array.itemsize)
+        return ("cuda", array.device.id), start, stop
+
+    def shares_memory(self, first: Any, second: Any) -> bool:
+        return bool(cupy.shares_memory(first, second))
+
+    def scale_in_place(self, loss: Any, scale: np.float32) -> None:
+        dtype_name = self._kernels.kernel_dtype_name(loss.dtype)
+        with loss.device:
+            self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
+
+    def unscale_and_check(self, arrays: Sequence[Any], inv_scale: np.float32) -> CupyOverflowCheck:
+        groups: dict[tuple[int, str], list[int]] = {}
+        for position, array in enumerate(arrays):
+            key = (array.device.id, self._kernels.kernel_dtype_name(array.dtype))
+            groups.setdefault(key, []).append(position)
+        epoch = next(self._epochs) % (2**31 - 1) + 1
+
+        launched: dict[int, list[tuple[Any, list[int]]]] = {}
+        for (device_id, dtype_name), positions in groups.items():
+            with cupy.cuda.Device(device_id):
+                table = self._table(device_id, dtype_name, [arrays[p] for p in positions])
+                slot = self._flag_slot(device_id)
+                self._kernels.launch_unscale_check(table, np.float32(inv_scale), epoch, slot.device)
+            launched.setdefault(device_id, []).append((table, positions))
+
+        overflow = False
+        culprits: list[int] = []
+        for device_id, tables in launched.items():
+            with cupy.cuda.Device(device_id):
+                stream = cupy.cuda.get_current_stream()
+                if self._flag_slot(device_id).read(stream) != epoch:
+                    continue
+                overflow = True
+                for table, positions in tables:
+                    flags = table.tensor_found.get(stream=stream)
+                    culprits += [positions[i] for i in np.flatnonzero(flags == epoch)]
+        return CupyOverflowCheck(overflow, tuple(sorted(culprits)))
+
+    def _flag_slot(self, device_id: int) -> _FlagSlot:
+        key = (device_id, cupy.cuda.get_current_stream().ptr)
+        slot = self._flags.get(key)
+        if slot is None:
+            slot = self._flags[key] = _FlagSlot()
+        return slot
+
+    def _table(self, device_id: int, dtype_name: str, arrays: list[Any]) -> Any:
+        key = (device_id, dtype_name, tuple((a.data.ptr, a.shape, a.strides) for a in arrays))
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+        table = self._kernels.build_device_table(arrays, dtype_name)
+        with self._lock:
+            self._tables[key] = table
+            while len(self._tables) > _TABLE_CACHE_SIZE:
+                self._tables.popitem(last=False)
+        return table
+
+
+@functools.cache
+def cupy_backend() -> CupyBackend | None:
+    """Return the shared CuPy backend, or None when CuPy is not installed."""
+    if cupy is None:
+        return None
+    return CupyBackend()

@@ -1,0 +1,177 @@
+"""Turn the user's gradient and loss arguments into validated arrays.
+
+Everything that can be wrong with an argument is found here, before any
+array is touched, so a rejected call leaves every array as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from cupy_amp.array_backend import ArrayBackend, backend_for
+from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
+
+__all__ = ["GradientBatch", "MemoryClaim", "claim_memory", "collect_gradients", "collect_loss", "describe"]
+
+
+@dataclass(frozen=True)
+class GradientBatch:
+    """The arrays of one ``unscale_and_check`` call, validated.
+
+    Attributes:
+        labels: For each array, its position in the argument (an int) or its
+            key in a mapping.
+        arrays: The arrays, in argument order, ``None`` entries left out.
+        backend: The backend all arrays belong to; None for an empty batch.
+    """
+
+    labels: tuple[Hashable, ...]
+    arrays: tuple[Any, ...]
+    backend: ArrayBackend | None
+
+
+@dataclass(frozen=True)
+class MemoryClaim:
+    """Memory an earlier call of the same step already unscaled."""
+
+    domain: Hashable
+    start: int
+    stop: int
+    call: int
+    label: Hashable
+    array: Any
+
+
+def describe(label: Hashable) -> str:
+    """Name a gradient for a message: ``gradient #3`` or ``gradient 'fc1.W'``."""
+    return f"gradient #{label}" if isinstance(label, int) else f"gradient {label!r}"
+
+
+def collect_loss(loss: Any) -> tuple[ArrayBackend, Any]:
+    """Return the backend and array for a loss, or raise if it cannot be scaled in place."""
+    found = backend_for(loss)
+    if found is None:
+        raise GradientTypeError(
+            f"scale_loss expected a NumPy or CuPy float array (it scales in place; a 0-d array is fine), "
+            f"got {type(loss).__name__}."
+        )
+    backend, array = found
+    problem = backend.dtype_problem(array) or backend.write_problem(array)
+    if problem is not None:
+        error = GradientTypeError if backend.dtype_problem(array) else GradientValueError
+        raise error(f"scale_loss cannot scale this loss in place: {problem}.")
+    return backend, array
+
+
+def collect_gradients(gradients: Any) -> GradientBatch:
+    """Validate the ``gradients`` argument of ``unscale_and_check``.
+
+    Accepts an iterable of arrays (``None`` entries skipped, their positions
+    still counted) or a mapping name -> array.
+
+    Raises:
+        GradientTypeError: Not an iterable/mapping, an entry that is not a
+            supported float array, or NumPy and CuPy arrays mixed in one call.
+        GradientValueError: A read-only array.
+        DuplicateGradientError: Two entries share memory.
+    """
+    entries = _entries(gradients)
+    labels: list[Hashable] = []
+    arrays: list[Any] = []
+    backend: ArrayBackend | None = None
+    first_label: Hashable = None
+    for label, entry in entries:
+        if entry is None:
+            continue
+        found = backend_for(entry)
+        if found is None:
+            raise GradientTypeError(
+                f"{describe(label)}: expected a NumPy or CuPy float array, got {type(entry).__name__}."
+            )
+        entry_backend, array = found
+        if backend is None:
+            backend, first_label = entry_backend, label
+        elif entry_backend is not backend:
+            raise GradientTypeError(
+                f"{describe(label)} is a {entry_backend.name} array but {describe(first_label)} is a "
+                f"{backend.name} array; pass arrays of one kind per unscale_and_check call."
+            )
+        problem = entry_backend.dtype_problem(array)
+        if problem is not None:
+            raise GradientTypeError(f"{describe(label)}: {problem}.")
+        problem = entry_backend.write_problem(array)
+        if problem is not None:
+            raise GradientValueError(f"{describe(label)} cannot be unscaled in place: {problem}.")
+        labels.append(label)
+        arrays.append(array)
+    return GradientBatch(tuple(labels), tuple(arrays), backend)
+
+
+def claim_memory(batch: GradientBatch, earlier: Sequence[MemoryClaim], call: int) -> list[MemoryClaim]:
+    """Return the batch's memory claims, after checking no element is claimed twice.
+
+    ``earlier`` holds the claims of the step's previous calls; ``call`` numbers
+    this one. Extents are compared after sorting, and only overlapping extents
+    are checked element by element, so the usual disjoint case costs a sort.
+
+    Raises:
+        DuplicateGradientError: Two arrays of the batch share memory, or an
+            array shares memory with one an earlier call of this step unscaled.
+    """
+    if batch.backend is None:
+        return []
+    backend = batch.backend
+    claims = []
+    for label, array in zip(batch.labels, batch.arrays):
+        domain, start, stop = backend.memory_extent(array)
+        if stop > start:
+            claims.append(MemoryClaim(domain, start, stop, call, label, array))
+    everything = sorted([*earlier, *claims], key=lambda claim: (repr(claim.domain), claim.start))
+    active: list[MemoryClaim] = []
+    for claim in everything:
+        active = [other for other in active if other.domain == claim.domain and other.stop > claim.start]
+        for other in active:
+            if other.call == call or claim.call == call:
+                _raise_if_shared(backend, other, claim, call)
+        active.append(claim)
+    return claims
+
+
+def _raise_if_shared(backend: ArrayBackend, first: MemoryClaim, second: MemoryClaim, call: int) -> None:
+    if not backend.shares_memory(first.array, second.array):
+        return
+    if first.call == second.call:
+        raise DuplicateGradientError(
+            f"{describe(first.label)} and {describe(second.label)} share memory: unscaling both would divide "
+            f"the shared elements twice. Pass each gradient once."
+        )
+    old, new = (first, second) if first.call < call else (second, first)
+    raise DuplicateGradientError(
+        f"{describe(new.label)} shares memory with {describe(old.label)}, which an earlier unscale_and_check "
+        f"call of this step (call {old.call + 1}) already unscaled; unscaling it again would divide it twice. "
+        f"Call update() to end the step first, or pass each gradient to one call only."
+    )
+
+
+def _entries(gradients: Any) -> Iterable[tuple[Hashable, Any]]:
+    if isinstance(gradients, Mapping):
+        return list(gradients.items())
+    if isinstance(gradients, (str, bytes)) or _is_single_array(gradients):
+        raise GradientTypeError(
+            f"unscale_and_check expected an iterable of gradient arrays or a mapping name -> array, "
+            f"got a single {type(gradients).__name__}; wrap it in a list: unscale_and_check([grad])."
+        )
+    try:
+        return list(enumerate(gradients))
+    except TypeError:
+        raise GradientTypeError(
+            f"unscale_and_check expected an iterable of gradient arrays or a mapping name -> array, "
+            f"got {type(gradients).__name__}."
+        ) from None
+
+
+def _is_single_array(obj: Any) -> bool:
+    return hasattr(obj, "__array_interface__") or hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "dtype")
+

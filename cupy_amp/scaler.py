@@ -1,0 +1,324 @@
+"""GradScaler: the loss scaler a training loop talks to."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from cupy_amp.array_backend import OverflowCheck
+from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
+from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
+from cupy_amp.gradients import MemoryClaim, claim_memory, collect_gradients, collect_loss
+from cupy_amp.stats import GradScalerStats
+from cupy_amp.update_rule import ScalerState, inverse_scale, next_state
+from cupy_amp.validation import expect_bool, expect_float32
+
+__all__ = ["GradScaler"]
+
+
+@dataclass(frozen=True)
+class _CheckedCall:
+    """One ``unscale_and_check`` call of a step, kept to answer ``nonfinite_gradients``."""
+
+    labels: tuple[Hashable, ...]
+    check: OverflowCheck | None
+    overflowed: bool
+
+
+class GradScaler:
+    """Dynamic loss scaler with PyTorch-exact numerics for NumPy and CuPy arrays.
+
+    A step is: ``scale_loss(loss)``, the backward pass, one or more
+    ``unscale_and_check(gradients)`` calls (on disjoint gradient sets), the
+    optimizer step if they all returned True, then ``update()``.
+
+    The update rule (``scale`` is float32; products are rounded to float32)::
+
+        on overflow:  growth_tracker = 0
+                      hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+                      if hysteresis_tracker == 0: scale = max(scale * backoff_factor, min_scale)
+        clean step:   growth_tracker += 1
+                      if growth_tracker >= growth_interval:
+                          scale = min(scale * growth_factor, max_scale)   # kept only if finite
+                          growth_tracker = 0; hysteresis_tracker = hysteresis
+
+    With ``min_scale=None``, ``max_scale=None`` and ``hysteresis=1`` the scale
+    follows ``torch.amp.GradScaler`` exactly.
+
+    Args:
+        init_scale: Starting scale, finite and > 0, rounded to float32, inside the clamps.
+        growth_factor: Finite, > 1.
+        backoff_factor: Strictly between 0 and 1.
+        growth_interval: Clean steps in a row before growing, an int >= 1.
+        enabled: When False every call is a no-op and ``scale_factor()`` is 1.0.
+        min_scale: Floor after a backoff (float32, > 0), or None for none.
+        max_scale: Ceiling after a growth (float32, >= min_scale), or None for none.
+        hysteresis: Overflowing steps before a backoff, an int >= 1 (refilled on growth).
+
+    Raises:
+        ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
+    """
+
+    def __init__(
+        self,
+        init_scale: float = DEFAULT_INIT_SCALE,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+        enabled: bool = True,
+        min_scale: float | None = 1.0,
+        max_scale: float | None = 2.0**24,
+        hysteresis: int = 1,
+    ) -> None:
+        config = ScalerConfig(
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            hysteresis=hysteresis,
+        )
+        scale = expect_float32(ConfigError, "init_scale", init_scale)
+        validate_scale_in_clamps(config, scale, "init_scale")
+        self._config = config
+        self._state = ScalerState(scale=scale, growth_tracker=0, hysteresis_tracker=config.hysteresis)
+        self._enabled = expect_bool(ConfigError, "enabled", enabled)
+        self._found_overflow = False
+        self._step_open = False
+        # The current step's calls, or the last step's once update() closed it.
+        self._calls: list[_CheckedCall] = []
+        # Memory unscaled in the open step; holds the arrays so their addresses stay theirs.
+        self._claims: list[MemoryClaim] = []
+
+    @classmethod
+    def with_params(
+        cls, init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int
+    ) -> GradScaler:
+        """Build a scaler from the four classic parameters; the rest keep their defaults."""
+        return cls(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+        )
+
+    @property
+    def config(self) -> ScalerConfig:
+        """The immutable configuration (never synchronizes)."""
+        return self._config
+
+    def scale_factor(self) -> float:
+        """Return the factor ``scale_loss`` applies now: the scale, or 1.0 while disabled.
+
+        Never synchronizes the device.
+        """
+        return self._state.scale if self._enabled else 1.0
+
+    def scale_loss(self, loss: Any) -> None:
+        """Multiply ``loss`` by the scale in place, allocating no new array.
+
+        float16/float32 losses are multiplied in float32 and rounded back (an
+        fp16 loss can become inf: the step will then show an overflow);
+        float64 losses in float64. The argument is validated even while
+        disabled; disabled, nothing else happens. Never synchronizes the device.
+
+        Raises:
+            GradientTypeError: ``loss`` is not a NumPy/CuPy float16/32/64 array.
+            GradientValueError: ``loss`` is read-only.
+        """
+        backend, array = collect_loss(loss)
+        if self._enabled:
+            backend.scale_in_place(array, np.float32(self._state.scale))
+
+    def unscale_and_check(self, gradients: Any) -> bool:
+        """Unscale every gradient in place and return True if all were finite.
+
+        ``gradients`` is an iterable of arrays (``None`` entries skipped, as
+        parameters without a gradient) or a mapping name -> array. Every
+        gradient is unscaled, overflow or not; overflow means an inf/nan in
+        a gradient *before* unscaling. All validation happens before any
+        array is touched. Several calls per step are allowed on disjoint
+        gradients; the step overflowed if any call found inf/nan.
+
+        With CuPy arrays: one fused kernel launch per (device, dtype) on the
+        current stream, then one synchronizing read of a single overflow flag.
+        With NumPy arrays nothing is asynchronous. Disabled: returns True and
+        touches nothing.
+
+        Raises:
+            GradientTypeError: Not an iterable/mapping of supported float arrays,
+                or NumPy and CuPy arrays mixed.
+            GradientValueError: A read-only array.
+            DuplicateGradientError: Two gradients share memory, or one was
+                already unscaled in this step (also a ``RuntimeError``).
+        """
+        if not self._enabled:
+            return True
+        batch = collect_gradients(gradients)
+        new_step = not self._step_open
+        earlier = [] if new_step else self._claims
+        call_index = 0 if new_step else len(self._calls)
+        claims = claim_memory(batch, earlier, call_index)
+
+        check = None
+        overflowed = False
+        if batch.arrays and batch.backend is not None:
+            check = batch.backend.unscale_and_check(batch.arrays, inverse_scale(self._state.scale))
+            overflowed = check.found_overflow()
+
+        if new_step:
+            self._step_open = True
+            self._found_overflow = False
+            self._calls = []
+            self._claims = []
+        self._claims.extend(claims)
+        self._calls.append(_CheckedCall(batch.labels, check, overflowed))
+        self._found_overflow = self._found_overflow or overflowed
+        return not overflowed
+
+    def update(self) -> None:
+        """End the step: back off after an overflow, grow after enough clean steps.
+
+        Never synchronizes the device. Disabled: no-op.
+
+        Raises:
+            ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
+        """
+        if not self._enabled:
+            return
+        if not self._step_open:
+            raise ScalerProtocolError(
+                "update() was called without an unscale_and_check() since the previous update(). Each optimizer "
+                "step is: scale_loss(loss), backward, unscale_and_check(gradients), optimizer step if it returned "
+                "True, update(). With gradient accumulation, call unscale_and_check() and update() once per "
+                "optimizer step, after the last micro-batch, not once per micro-batch."
+            )
+        self._state = next_state(self._config, self._state, self._found_overflow)
+        self._step_open = False
+        self._claims = []
+
+    def had_overflow(self) -> bool:
+        """Return True if the current step (or, after ``update()``, the last step) overflowed.
+
+        Stays valid after ``update()`` until the next step's first
+        ``unscale_and_check``, so a learning-rate schedule can skip with the
+        optimizer. Never synchronizes the device.
+        """
+        return self._found_overflow
+
+    def nonfinite_gradients(self) -> list[Hashable]:
+        """Return which gradients held inf/nan in the current (or last) step.
+
+        For each ``unscale_and_check`` call of the step, in call order, the
+        positions of the offending gradients within that call's argument
+        (``None`` entries count) or their names when a mapping was passed.
+        Empty when the step was clean. With CuPy arrays, reads the
+        per-gradient flags from the device (a synchronization) only for calls
+        that overflowed.
+        """
+        culprits: list[Hashable] = []
+        for call in self._calls:
+            if call.overflowed and call.check is not None:
+                culprits.extend(call.labels[position] for position in call.check.nonfinite_positions())
+        return culprits
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Turn scaling on or off between steps.
+
+        Raises:
+            ConfigError: ``enabled`` is not a bool.
+            ScalerProtocolError: Switching while a step is open (after
+                ``unscale_and_check``, before ``update()``).
+        """
+        flag = expect_bool(ConfigError, "enabled", enabled)
+        if flag != self._enabled and self._step_open:
+            raise ScalerProtocolError(
+                "set_enabled() cannot switch the scaler while a step is open (unscale_and_check() was called and "
+                "update() was not yet); call update() first."
+            )
+        self._enabled = flag
+
+    def is_enabled(self) -> bool:
+        """Return whether scaling is on."""
+        return self._enabled
+
+    def stats(self) -> GradScalerStats:
+        """Return a snapshot of the scale and counters (never synchronizes)."""
+        state = self._state
+        return GradScalerStats(
+            scale=state.scale,
+            consecutive_good_steps=state.growth_tracker,
+            hysteresis_tracker=state.hysteresis_tracker,
+            enabled=self._enabled,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+        )
+
+    def checkpoint(self) -> GradScalerCheckpoint:
+        """Return the complete state, to resume bit for bit (never synchronizes).
+
+        Raises:
+            ScalerProtocolError: A step is open; take checkpoints after ``update()``.
+        """
+        if self._step_open:
+            raise ScalerProtocolError(
+                "checkpoint() was called in the middle of a step (after unscale_and_check(), before update()); "
+                "such a state cannot be resumed exactly. Call update() first."
+            )
+        config, state = self._config, self._state
+        return GradScalerCheckpoint(
+            scale=state.scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            consecutive_good_steps=state.growth_tracker,
+            found_overflow=self._found_overflow,
+            enabled=self._enabled,
+            min_scale=config.min_scale,
+            max_scale=config.max_scale,
+            hysteresis=config.hysteresis,
+            hysteresis_tracker=state.hysteresis_tracker,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+        )
+
+    def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
+        """Replace the whole state and configuration with a checkpoint's.
+
+        Raises:
+            ArgumentTypeError: ``checkpoint`` is not a GradScalerCheckpoint.
+            ScalerProtocolError: A step is open.
+        """
+        if not isinstance(checkpoint, GradScalerCheckpoint):
+            raise ArgumentTypeError(
+                f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
+                f"read files with GradScalerCheckpoint.load(path)."
+            )
+        if self._step_open:
+            raise ScalerProtocolError(
+                "load_checkpoint() was called in the middle of a step (after unscale_and_check(), before update()); "
+                "call update() first, or load before the step starts."
+            )
+        self._config = checkpoint.config()
+        self._state = checkpoint.state()
+        self._enabled = checkpoint.enabled
+        self._found_overflow = checkpoint.found_overflow
+        self._calls = []
+        self._claims = []
+
+    def __repr__(self) -> str:
+        config = self._config
+        return (
+            f"GradScaler(scale={self._state.scale:g}, growth_factor={config.growth_factor!r}, "
+            f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval}, "
+            f"enabled={self._enabled}, min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, "
+            f"hysteresis={config.hysteresis})"
+        )

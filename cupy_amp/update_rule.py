@@ -1,0 +1,105 @@
+"""The pure update rule: the scale's state after one optimizer step.
+
+Nothing here touches arrays or devices; :func:`next_state` is a pure function
+of the config, the previous state and whether the step overflowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from cupy_amp.config import ScalerConfig
+
+__all__ = ["ScalerState", "inverse_scale", "next_state", "to_float32"]
+
+
+@dataclass(frozen=True)
+class ScalerState:
+    """Everything that changes from step to step.
+
+    Attributes:
+        scale: The loss scale; always a value float32 can hold exactly.
+        growth_tracker: Clean steps in a row since the last growth or overflow.
+        hysteresis_tracker: Overflows still tolerated before the next backoff.
+        steps: ``update()`` calls made while enabled.
+        skipped_steps: Of those, the steps that overflowed.
+        growths: Times the scale grew.
+        backoffs: Times the scale shrank.
+    """
+
+    scale: float
+    growth_tracker: int
+    hysteresis_tracker: int
+    steps: int = 0
+    skipped_steps: int = 0
+    growths: int = 0
+    backoffs: int = 0
+
+
+def to_float32(value: float) -> float:
+    """Round a Python float to the nearest float32, returned as a Python float."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+def inverse_scale(scale: float) -> np.float32:
+    """Return ``float32(1 / float64(scale))``; infinite for a scale of 0."""
+    with np.errstate(divide="ignore", over="ignore"):
+        return np.float32(np.float64(1.0) / np.float64(scale))
+
+
+def next_state(config: ScalerConfig, state: ScalerState, found_overflow: bool) -> ScalerState:
+    """Return the state after a step that did or did not overflow.
+
+    The rule, with products taken in float64 and rounded to float32::
+
+        if found_overflow:
+            growth_tracker = 0
+            hysteresis_tracker = max(hysteresis_tracker - 1, 0)
+            if hysteresis_tracker == 0:
+                scale = max(float32(scale * backoff_factor), min_scale)
+        else:
+            growth_tracker += 1
+            if growth_tracker >= growth_interval:
+                grown = float32(scale * growth_factor)
+                if isfinite(grown):
+                    scale = min(grown, max_scale)
+                growth_tracker = 0
+                hysteresis_tracker = hysteresis
+    """
+    scale = state.scale
+    if found_overflow:
+        hysteresis_tracker = max(state.hysteresis_tracker - 1, 0)
+        if hysteresis_tracker == 0:
+            scale = to_float32(state.scale * config.backoff_factor)
+            if config.min_scale is not None:
+                scale = max(scale, config.min_scale)
+        return replace(
+            state,
+            scale=scale,
+            growth_tracker=0,
+            hysteresis_tracker=hysteresis_tracker,
+            steps=state.steps + 1,
+            skipped_steps=state.skipped_steps + 1,
+            backoffs=state.backoffs + (scale != state.scale),
+        )
+
+    growth_tracker = state.growth_tracker + 1
+    hysteresis_tracker = state.hysteresis_tracker
+    if growth_tracker >= config.growth_interval:
+        grown = to_float32(state.scale * config.growth_factor)
+        if math.isfinite(grown):
+            scale = grown if config.max_scale is None else min(grown, config.max_scale)
+        growth_tracker = 0
+        hysteresis_tracker = config.hysteresis
+    return replace(
+        state,
+        scale=scale,
+        growth_tracker=growth_tracker,
+        hysteresis_tracker=hysteresis_tracker,
+        steps=state.steps + 1,
+        growths=state.growths + (scale != state.scale),
+    )

@@ -1,0 +1,174 @@
+// Shared device code for cupy-amp kernels. The Python loader inlines this file
+// textually into each .cu file, so its text is part of CuPy's compile-cache key.
+//
+// Numerics must equal the NumPy path bit for bit on x86-64 hosts:
+// - products are taken with explicit PTX `mul.rn` (no .ftz), because CuPy
+//   compiles every module with -ftz=true, which would flush float32 subnormals;
+// - a NaN input comes out as the same NaN with its quiet bit set (what x86
+//   multiplication does), and a NaN produced by the multiplication (0 * inf,
+//   only possible once the scale has underflowed to 0) is x86's default NaN;
+// - inf/nan is detected on the bits, before multiplying.
+
+typedef unsigned short cupy_amp_u16;
+typedef unsigned int cupy_amp_u32;
+typedef unsigned long long cupy_amp_u64;
+
+// Layout of one tensor descriptor: four int64 per tensor.
+#define CUPY_AMP_DESC_PTR 0     // address of the lowest element (dense) or of element [0, ..., 0] (strided)
+#define CUPY_AMP_DESC_NUMEL 1   // number of elements
+#define CUPY_AMP_DESC_NDIM 2    // 0 for a dense tensor, walked as flat memory; else the number of dims
+#define CUPY_AMP_DESC_LAYOUT 3  // strided tensors: offset into the layout table (shape then strides, in elements)
+#define CUPY_AMP_DESC_WORDS 4
+#define CUPY_AMP_MAX_NDIM 64
+
+__device__ __forceinline__ float cupy_amp_mul_f32(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float cupy_amp_f16_to_f32(cupy_amp_u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ cupy_amp_u16 cupy_amp_f32_to_f16(float f) {
+    cupy_amp_u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+struct CupyAmpHalf {
+    typedef cupy_amp_u16 bits;
+    static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7c00u) == 0x7c00u; }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffu) > 0x7c00u) return (bits)(x | 0x0200u);
+        cupy_amp_u32 r = __float_as_uint(cupy_amp_mul_f32(cupy_amp_f16_to_f32(x), factor));
+        if ((r & 0x7fffffffu) > 0x7f800000u) return (bits)0xfe00u;
+        return cupy_amp_f32_to_f16(__uint_as_float(r));
+    }
+};
+
+struct CupyAmpSingle {
+    typedef cupy_amp_u32 bits;
+    static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7f800000u) == 0x7f800000u; }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffffffu) > 0x7f800000u) return x | 0x00400000u;
+        cupy_amp_u32 r = __float_as_uint(cupy_amp_mul_f32(__uint_as_float(x), factor));
+        if ((r & 0x7fffffffu) > 0x7f800000u) return 0xffc00000u;
+        return r;
+    }
+};
+
+struct CupyAmpDouble {
+    typedef cupy_amp_u64 bits;
+    static __device__ __forceinline__ bool nonfinite(bits x) {
+        return (x & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+    }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return x | 0x0008000000000000ull;
+        cupy_amp_u64 r = (cupy_amp_u64)__double_as_longlong(__dmul_rn(__longlong_as_double((long long)x), (double)factor));
+        if ((r & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return 0xfff8000000000000ull;
+        return r;
+    }
+};
+
+// Check then multiply one element in place; returns true if it was inf/nan.
+template <class Type>
+__device__ __forceinline__ bool cupy_amp_apply(typename Type::bits* element, float factor) {
+    typename Type::bits x = *element;
+    *element = Type::multiply(x, factor);
+    return Type::nonfinite(x);
+}
+
+// Elements [first, last) of a dense tensor starting at `base`: a scalar head up
+// to 16-byte alignment, a body of 16-byte vectors (several loads in flight per
+// thread), and a scalar tail.
+template <class Type>
+__device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long long last, float factor) {
+    typedef typename Type::bits bits;
+    const int vec = 16 / sizeof(bits);
+    const int unroll = 4;
+    bits* data = reinterpret_cast<bits*>(base);
+    bool bad = false;
+
+    cupy_amp_u64 first_address = base + (cupy_amp_u64)first * sizeof(bits);
+    long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
+    long long body_first = first + head < last ? first + head : last;
+    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
+        bad |= cupy_amp_apply<Type>(data + i, factor);
+    }
+
+    union Vector {
+        uint4 raw;
+        bits lanes[vec];
+    };
+    long long vectors = (last - body_first) / vec;
+    Vector* body = reinterpret_cast<Vector*>(data + body_first);
+    for (long long v = threadIdx.x; v < vectors; v += (long long)unroll * blockDim.x) {
+        Vector loaded[unroll];
+#pragma unroll
+        for (int k = 0; k < unroll; ++k) {
+            long long index = v + (long long)k * blockDim.x;
+            if (index < vectors) loaded[k].raw = body[index].raw;
+        }
+#pragma unroll
+        for (int k = 0; k < unroll; ++k) {
+            long long index = v + (long long)k * blockDim.x;
+            if (index < vectors) {
+#pragma unroll
+                for (int lane = 0; lane < vec; ++lane) {
+                    bits x = loaded[k].lanes[lane];
+                    bad |= Type::nonfinite(x);
+                    loaded[k].lanes[lane] = Type::multiply(x, factor);
+                }
+                body[index].raw = loaded[k].raw;
+            }
+        }
+    }
+
+    for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
+        bad |= cupy_amp_apply<Type>(data + i, factor);
+    }
+    return bad;
+}
+
+// Elements [first, last) (in C order) of a strided tensor; `layout` holds
+// ndim extents then ndim strides (in elements, possibly negative), already
+// staged in shared memory by the caller.
+template <class Type>
+__device__ bool cupy_amp_apply_strided(
+    cupy_amp_u64 base, int ndim, const long long* layout, long long first, long long last, float factor) {
+    typedef typename Type::bits bits;
+    bits* origin = reinterpret_cast<bits*>(base);
+    bool bad = false;
+    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
+        long long rest = i;
+        long long offset = 0;
+        for (int dim = ndim - 1; dim >= 0; --dim) {
+            long long extent = layout[dim];
+            offset += (rest % extent) * layout[ndim + dim];
+            rest /= extent;
+        }
+        bad |= cupy_amp_apply<Type>(origin + offset, factor);
+    }
+    return bad;
+}
+
+// Elements [first, last) of tensor `desc`, whichever its layout. Must be
+// reached by every thread of the block (it synchronizes).
+template <class Type>
+__device__ bool cupy_amp_apply_range(
+    const long long* desc, const long long* layout, long long first, long long last, float factor) {
+    __shared__ long long staged_layout[2 * CUPY_AMP_MAX_NDIM];
+    int ndim = (int)desc[CUPY_AMP_DESC_NDIM];
+    cupy_amp_u64 base = (cupy_amp_u64)desc[CUPY_AMP_DESC_PTR];
+    if (ndim == 0) return cupy_amp_apply_dense<Type>(base, first, last, factor);
+
+    const long long* source = layout + desc[CUPY_AMP_DESC_LAYOUT];
+    __syncthreads();  // the previous chunk may still be reading staged_layout
+    for (int k = threadIdx.x; k < 2 * ndim; k += blockDim.x) staged_layout[k] = source[k];
+    __syncthreads();
+    return cupy_amp_apply_strided<Type>(base, ndim, staged_layout, first, last, factor);
+}

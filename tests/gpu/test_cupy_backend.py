@@ -1,0 +1,385 @@
+"""The CuPy path against the NumPy path, bit for bit, on a real GPU."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from cupy_amp import GradScaler
+from cupy_amp.cuda_kernels import CHUNK_SIZE
+
+cupy = pytest.importorskip("cupy")
+
+UINT = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
+NAN_PAYLOADS = {
+    np.dtype(np.float16): [0x7E00, 0x7C01, 0xFD55, 0x7FFF],
+    np.dtype(np.float32): [0x7FC00000, 0x7F800001, 0xFFA5A5A5, 0x7FFFFFFF],
+    np.dtype(np.float64): [0x7FF8000000000000, 0x7FF0000000000001, 0xFFF5A5A5A5A5A5A5],
+}
+
+
+def bits(array: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(array).view(UINT[array.dtype])
+
+
+def random_array(rng: np.random.Generator, size: int, dtype: np.dtype) -> np.ndarray:
+    scale = {np.dtype(np.float16): 1e3, np.dtype(np.float32): 1e20, np.dtype(np.float64): 1e100}[np.dtype(dtype)]
+    return (rng.standard_normal(size) * scale ** rng.uniform(-1, 1, size)).astype(dtype)
+
+
+def unscale_both(host_grads: list[np.ndarray], views=None, scale: float = 2.0**16, **scaler_args):
+    """Run the NumPy and the CuPy path on the same data; return both results and flags."""
+    cpu = GradScaler(init_scale=scale, **scaler_args)
+    gpu = GradScaler(init_scale=scale, **scaler_args)
+    device_grads = [cupy.asarray(g) for g in host_grads]
+    host_work = [g.copy() for g in host_grads]
+    if views is not None:
+        host_work = [view(g) for view, g in zip(views, host_work)]
+        device_grads = [view(g) for view, g in zip(views, device_grads)]
+    cpu_ok = cpu.unscale_and_check(host_work)
+    gpu_ok = gpu.unscale_and_check(device_grads)
+    return cpu, gpu, cpu_ok, gpu_ok, host_work, device_grads
+
+
+def assert_same_bits(host: list[np.ndarray], device: list[object]) -> None:
+    for index, (h, d) in enumerate(zip(host, device)):
+        got = cupy.asnumpy(d)
+        assert got.dtype == h.dtype and got.shape == h.shape, index
+        assert np.array_equal(bits(got), bits(h)), f"gradient {index} differs"
+
+
+SIZES = [1, 2, 3, 7, 8, 9, 15, 16, 17, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5, 1_000_003]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixed_lists_match_numpy_bits(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    dtypes = [np.float16, np.float32, np.float64]
+    grads = [random_array(rng, int(rng.choice(SIZES)), rng.choice(dtypes)) for _ in range(int(rng.integers(1, 40)))]
+    cpu, gpu, cpu_ok, gpu_ok, host, device = unscale_both(grads, scale=float(2.0 ** rng.integers(-20, 30)))
+    assert cpu_ok and gpu_ok
+    assert_same_bits(host, device)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_views_offset_from_alignment(dtype: type, offset: int) -> None:
+    rng = np.random.default_rng(offset)
+    grads = [random_array(rng, size + offset, dtype) for size in (5, 33, CHUNK_SIZE + 7, 100_000)]
+    views = [lambda a, o=offset: a[o:] for _ in grads]
+    _, _, _, _, host, device = unscale_both(grads, views)
+    assert_same_bits(host, device)
+    # The elements before the view were not touched.
+    for original, d in zip(grads, device):
+        assert np.array_equal(bits(cupy.asnumpy(d.base[:offset]) if d.base is not None else original[:offset]),
+                              bits(original[:offset]))
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_transposed_strided_and_reversed_views(dtype: type) -> None:
+    rng = np.random.default_rng(7)
+    shapes_and_views = [
+        ((300, 257), lambda a: a.T),
+        ((300, 257), lambda a: a[::3, 1::2]),
+        ((64, 33, 5), lambda a: a.transpose(2, 0, 1)[:, ::-1]),
+        ((1000,), lambda a: a[::-1]),
+        ((1000,), lambda a: a[::-7]),
+        ((4, 70000), lambda a: a[:, 3:-2]),
+        ((2, 3, 4, 5, 6), lambda a: a[:, ::2, :, ::-1].transpose(4, 1, 3, 0, 2)),
+    ]
+    grads = [random_array(rng, int(np.prod(shape)), dtype).reshape(shape) for shape, _ in shapes_and_views]
+    full_cpu = [g.copy() for g in grads]
+    full_gpu = [cupy.asarray(g) for g in grads]
+    host_views = [view(g) for (_, view), g in zip(shapes_and_views, full_cpu)]
+    device_views = [view(g) for (_, view), g in zip(shapes_and_views, full_gpu)]
+    assert GradScaler(init_scale=1024.0).unscale_and_check(host_views)
+    assert GradScaler(init_scale=1024.0).unscale_and_check(device_views)
+    # Whole parent arrays compared: elements outside the views must be untouched on both.
+    assert_same_bits(full_cpu, full_gpu)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("poison_kind", ["inf", "-inf", "nan_payloads"])
+def test_planted_nonfinite_found_and_named(dtype: type, poison_kind: str) -> None:
+    rng = np.random.default_rng(11)
+    sizes = [CHUNK_SIZE + 3, 17, 9000, 4 * CHUNK_SIZE, 1]
+    for grad_index in (0, 2, len(sizes) - 1):
+        for where in ("first", "middle", "last"):
+            grads = [random_array(rng, size, dtype) for size in sizes]
+            target = grads[grad_index]
+            element = {"first": 0, "middle": target.size // 2, "last": target.size - 1}[where]
+            if poison_kind == "nan_payloads":
+                payloads = NAN_PAYLOADS[np.dtype(dtype)]
+                target.view(UINT[np.dtype(dtype)])[element] = payloads[grad_index % len(payloads)]
+            else:
+                target[element] = np.inf if poison_kind == "inf" else -np.inf
+            cpu, gpu, cpu_ok, gpu_ok, host, device = unscale_both(grads)
+            assert not cpu_ok and not gpu_ok, (grad_index, where)
+            assert gpu.nonfinite_gradients() == cpu.nonfinite_gradients() == [grad_index]
+            assert_same_bits(host, device)
+
+
+def test_fp16_edge_values_and_float32_subnormals() -> None:
+    half = np.array([65504, -65504, 6.1e-5, 5.96e-8, -5.96e-8, -0.0, 0.0, 1.0, 2049, 0.3333], dtype=np.float16)
+    single = np.array([1e-45, -1e-45, 1.17e-38, 3e-39, -0.0, 3.4028235e38, 1.0], dtype=np.float32)
+    for scale in (1.0, 2.0**-10, 2.0**16, 2.0**24, 3.0, 2.0**100):
+        cpu, gpu, cpu_ok, gpu_ok, host, device = unscale_both([half, single], scale=scale, max_scale=None)
+        assert cpu_ok and gpu_ok, scale
+        assert_same_bits(host, device)
+    # Subnormal float32 results survive on the GPU despite CuPy's -ftz=true (explicit mul.rn.f32).
+    tiny = cupy.asarray(np.array([2.0**-120], dtype=np.float32))
+    GradScaler(init_scale=2.0**20).unscale_and_check([tiny])
+    assert float(tiny.get()[0]) == 2.0**-140
+
+
+def test_element_that_only_becomes_inf_is_not_an_overflow() -> None:
+    grads = [np.array([60000, 1], dtype=np.float16), np.array([3e38], dtype=np.float32)]
+    cpu, gpu, cpu_ok, gpu_ok, host, device = unscale_both(grads, scale=2.0**-10, min_scale=None)
+    assert cpu_ok and gpu_ok
+    assert np.isinf(cupy.asnumpy(device[0])[0]) and np.isinf(cupy.asnumpy(device[1])[0])
+    assert_same_bits(host, device)
+
+
+def test_zero_scale_generates_the_same_nan_bits() -> None:
+    grads = [np.array([0.0, 1.0, -0.0, np.inf], dtype=t) for t in (np.float16, np.float32, np.float64)]
+    cpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
+    gpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
+    for scaler in (cpu, gpu):
+        scaler.unscale_and_check([np.array([np.inf], dtype=np.float32)] if scaler is cpu
+                                 else [cupy.asarray(np.array([np.inf], dtype=np.float32))])
+        scaler.update()
+        assert scaler.scale_factor() == 0.0
+    host = [g.copy() for g in grads]
+    device = [cupy.asarray(g) for g in grads]
+    assert not cpu.unscale_and_check(host)
+    assert not gpu.unscale_and_check(device)
+    assert_same_bits(host, device)
+
+
+def test_empty_arrays_and_empty_lists() -> None:
+    scaler = GradScaler()
+    assert scaler.unscale_and_check([])
+    scaler.update()
+    empties = [cupy.zeros((0,), cupy.float32), cupy.zeros((3, 0), cupy.float16), None]
+    assert scaler.unscale_and_check(empties)
+    scaler.update()
+    assert scaler.stats().steps == 2
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_scale_loss_matches_numpy(dtype: type) -> None:
+    rng = np.random.default_rng(3)
+    losses = [
+        np.array(1.2345, dtype=dtype),
+        random_array(rng, 1, dtype),
+        random_array(rng, 3 * CHUNK_SIZE + 11, dtype),
+        random_array(rng, 600, dtype).reshape(20, 30).T,
+        random_array(rng, 1000, dtype)[::-3],
+        np.array([70000.0 / 65536, np.nan, -np.inf], dtype=dtype),
+    ]
+    for loss in losses:
+        host = loss.copy() if loss.flags.c_contiguous else loss
+        device = cupy.asarray(loss) if loss.flags.c_contiguous else None
+        if device is None:  # rebuild the same non-contiguous view on the device
+            base = cupy.asarray(loss.base if loss.base is not None else loss)
+            device = base.T if loss.ndim == 2 else base[::-3]
+            host = (loss.base.copy().T if loss.ndim == 2 else loss.base.copy()[::-3])
+        GradScaler().scale_loss(host)
+        before = device.data.ptr
+        GradScaler().scale_loss(device)
+        assert device.data.ptr == before
+        assert np.array_equal(bits(cupy.asnumpy(device)), bits(host))
+
+
+def test_fp16_loss_overflows_to_inf_like_numpy() -> None:
+    loss = cupy.asarray(np.array(2.0, dtype=np.float16))
+    GradScaler(init_scale=65536.0).scale_loss(loss)
+    assert np.isinf(float(loss.get()))
+
+
+def test_gradients_written_late_on_a_nonblocking_stream_are_seen() -> None:
+    size = 64 * 1024 * 1024  # large enough that the writer is still running when the check is queued
+    grads = cupy.ones(size, dtype=cupy.float32)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    scaler = GradScaler()
+    with stream:
+        slow = cupy.ElementwiseKernel(
+            "float32 x", "float32 y",
+            "float acc = x; for (int k = 0; k < 200; ++k) acc = acc * 1.0000001f; y = acc;",
+            "cupy_amp_test_slow_write",
+        )
+        slow(grads, grads)
+        grads[-1:] = cupy.inf
+        assert not scaler.unscale_and_check([grads])  # no explicit synchronize
+    assert scaler.nonfinite_gradients() == [0]
+
+
+def test_negative_control_a_racing_read_can_miss_the_late_inf() -> None:
+    # The same late write, but the check runs on a different stream with no ordering: this
+    # shows the stream test above would fail if launches ignored the current stream.
+    size = 64 * 1024 * 1024
+    misses = 0
+    for _ in range(3):
+        grads = cupy.ones(size, dtype=cupy.float32)
+        cupy.cuda.Device().synchronize()
+        writer = cupy.cuda.Stream(non_blocking=True)
+        reader = cupy.cuda.Stream(non_blocking=True)
+        with writer:
+            slow = cupy.ElementwiseKernel(
+                "float32 x", "float32 y",
+                "float acc = x; for (int k = 0; k < 2000; ++k) acc = acc * 1.0000001f; y = acc;",
+                "cupy_amp_test_slow_write_2",
+            )
+            slow(grads, grads)
+            grads[-1:] = cupy.inf
+        with reader:
+            misses += GradScaler().unscale_and_check([grads])
+        cupy.cuda.Device().synchronize()
+    assert misses > 0, "the unordered read always saw the inf: the stream test above proves nothing"
+
+
+def test_end_to_end_loop_gives_identical_trajectories() -> None:
+    rng = np.random.default_rng(5)
+    shapes = [(64, 32), (32,), (32, 10), (10,)]
+    kwargs = dict(init_scale=2.0**12, growth_interval=3, hysteresis=2, min_scale=None)
+    cpu, gpu = GradScaler(**kwargs), GradScaler(**kwargs)
+    trajectory_cpu, trajectory_gpu = [], []
+    for step in range(120):
+        host = [random_array(rng, int(np.prod(s)), np.float16).reshape(s) for s in shapes]
+        if rng.random() < 0.25:
+            host[int(rng.integers(len(host)))].flat[0] = np.nan
+        device = [cupy.asarray(g) for g in host]
+        loss_h, loss_d = np.array(0.5, np.float32), cupy.asarray(np.array(0.5, np.float32))
+        cpu.scale_loss(loss_h)
+        gpu.scale_loss(loss_d)
+        assert float(loss_h) == float(loss_d.get())
+        assert cpu.unscale_and_check(host) == gpu.unscale_and_check(device)
+        assert cpu.nonfinite_gradients() == gpu.nonfinite_gradients()
+        cpu.update()
+        gpu.update()
+        trajectory_cpu.append(cpu.stats())
+        trajectory_gpu.append(gpu.stats())
+        if step == 60:
+            restored = GradScaler()
+            restored.load_checkpoint(gpu.checkpoint())
+            gpu = restored
+    assert trajectory_cpu == trajectory_gpu
+    assert cpu.checkpoint() == gpu.checkpoint()
+
+
+def test_same_list_twice_reuses_the_cached_table_and_stays_correct() -> None:
+    from cupy_amp.cupy_backend import cupy_backend
+
+    backend = cupy_backend()
+    grads = [cupy.ones(1000, cupy.float32) * 2, cupy.ones(10, cupy.float32) * 4]
+    scaler = GradScaler(init_scale=2.0)
+    scaler.unscale_and_check(grads)
+    scaler.update()
+    tables_after_first = len(backend._tables)
+    scaler.unscale_and_check(grads)
+    scaler.update()
+    assert len(backend._tables) == tables_after_first
+    assert float(grads[0][0]) == 0.5 and float(grads[1][0]) == 1.0
+    # A changed list (a new array at a new address) gets a correct result too.
+    grads[1] = cupy.full(10, 8.0, cupy.float32)
+    grads[1][3] = cupy.nan
+    assert not scaler.unscale_and_check(grads)
+    assert scaler.nonfinite_gradients() == [1]
+    assert float(grads[1][0]) == 4.0
+
+
+def test_more_than_2_31_elements() -> None:
+    n = 2**31 + 5
+    try:
+        big = cupy.ones(n, dtype=cupy.float16)
+    except cupy.cuda.memory.OutOfMemoryError:
+        pytest.skip("not enough GPU memory for 2**31 + 5 float16 elements")
+    big[-1] = cupy.inf
+    scaler = GradScaler(init_scale=2.0)
+    assert not scaler.unscale_and_check([big])
+    assert float(big[0]) == 0.5 and float(big[2**31 + 1]) == 0.5 and float(big[-2]) == 0.5
+    assert int(cupy.count_nonzero(big == 0.5)) == n - 1
+    loss = big[: 2**31 + 1]
+    loss[...] = 1.0
+    GradScaler(init_scale=4.0).scale_loss(loss)
+    assert int(cupy.count_nonzero(loss == 4.0)) == 2**31 + 1
+
+
+def test_mixed_numpy_and_cupy_is_refused_untouched() -> None:
+    host = np.ones(3, np.float32) * 2
+    device = cupy.ones(3, cupy.float32) * 2
+    with pytest.raises(TypeError, match="numpy"):
+        GradScaler(init_scale=2.0).unscale_and_check([device, host])
+    assert float(device[0]) == 2.0 and host[0] == 2.0
+
+
+def test_int_gradient_on_gpu_refused_before_anything_changes() -> None:
+    good = cupy.ones(3, cupy.float32) * 2
+    with pytest.raises(TypeError, match="gradient #1"):
+        GradScaler(init_scale=2.0).unscale_and_check([good, cupy.ones(3, cupy.int32)])
+    assert float(good[0]) == 2.0
+
+
+def test_overlapping_device_views_refused() -> None:
+    base = cupy.ones(10, cupy.float32)
+    with pytest.raises(RuntimeError, match="share memory"):
+        GradScaler().unscale_and_check([base[:6], base[4:]])
+    assert GradScaler(init_scale=2.0).unscale_and_check([base[::2], base[1::2]])
+    assert float(base[0]) == 0.5 and float(base[1]) == 0.5
+
+
+def device_count() -> int:
+    try:
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no driver: the gpu marker skips or fails the test already
+        return 0
+
+
+@pytest.mark.multi_gpu
+def test_gradients_on_two_devices_in_one_call() -> None:
+    if device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+    rng = np.random.default_rng(9)
+    host = [random_array(rng, 5000, np.float32) for _ in range(4)]
+    host[3][7] = np.inf
+    device = []
+    for index, g in enumerate(host):
+        with cupy.cuda.Device(index % 2):
+            device.append(cupy.asarray(g))
+    cpu, gpu = GradScaler(), GradScaler()
+    host_work = [g.copy() for g in host]
+    assert not cpu.unscale_and_check(host_work)
+    assert not gpu.unscale_and_check(device)
+    assert gpu.nonfinite_gradients() == [3]
+    assert_same_bits(host_work, device)
+
+
+def test_torch_cuda_tensors_are_unscaled_zero_copy() -> None:
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    grad = torch.full((1000,), 8.0, device="cuda", dtype=torch.float16)
+    grad[10] = float("nan")
+    scaler = GradScaler(init_scale=4.0)
+    assert not scaler.unscale_and_check({"w": grad})
+    assert scaler.nonfinite_gradients() == ["w"]
+    assert float(grad[0]) == 2.0
+    loss = torch.tensor(1.5, device="cuda")
+    scaler.scale_loss(loss)
+    assert float(loss) == 6.0
+
+
+def test_import_compiles_nothing() -> None:
+    code = textwrap.dedent(
+        """
+        import cupy_amp, cupy_amp.cupy_backend, cupy_amp.cuda_kernels as k
+        assert not k._modules, k._modules
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr
