@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
-__all__ = ["ArrayBackend", "OverflowCheck", "backend_for", "byte_extent"]
+__all__ = ["ArrayBackend", "OverflowCheck", "UnscalePlan", "backend_for", "byte_extent"]
 
 
 class OverflowCheck(Protocol):
@@ -22,6 +22,18 @@ class OverflowCheck(Protocol):
 
     def nonfinite_positions(self) -> list[int]:
         """Return the positions, among the arrays checked, of those holding inf/nan."""
+        ...
+
+
+class UnscalePlan(Protocol):
+    """What a backend prepared for one list of gradients, reusable while they stay the same."""
+
+    def still_valid(self, arrays: Sequence[Any]) -> bool:
+        """Return True if the plan still fits ``arrays`` (the same objects it was made for)."""
+        ...
+
+    def run(self, arrays: Sequence[Any], inv_scale: Any) -> OverflowCheck:
+        """Check every array for inf/nan, then multiply it by ``inv_scale`` in place."""
         ...
 
 
@@ -54,8 +66,8 @@ class ArrayBackend(Protocol):
         """Multiply ``loss`` by the float32 ``scale`` in place."""
         ...
 
-    def unscale_and_check(self, arrays: Sequence[Any], inv_scale: Any) -> OverflowCheck:
-        """Check every array for inf/nan, then multiply it by ``inv_scale`` in place."""
+    def prepare(self, arrays: Sequence[Any]) -> UnscalePlan:
+        """Prepare the fused unscale-and-check of ``arrays`` (validated, non-empty)."""
         ...
 
 

@@ -8,6 +8,7 @@ Launches go on the current stream of the current device.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,13 +24,21 @@ __all__ = [
     "THREADS_PER_BLOCK",
     "DeviceTable",
     "build_device_table",
+    "compile_options",
+    "dense_base",
     "kernel_dtype_name",
     "launch_scale_loss",
     "launch_unscale_check",
 ]
 
+# Launch shape (tuned on an H200: see BENCHMARKS.md). The kernels receive the
+# thread count and register budget through -D options, so both sides agree.
 CHUNK_SIZE = 65536
 THREADS_PER_BLOCK = 512
+MIN_BLOCKS_PER_SM = 1
+UNROLL = 4
+# 0: one block per chunk; N: a persistent grid of N blocks per multiprocessor looping over chunks.
+GRID_BLOCKS_PER_SM = 0
 _DESC_WORDS = 4
 _MAX_GRID = 2**31 - 1
 _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
@@ -43,6 +52,16 @@ def kernel_dtype_name(dtype: np.dtype[Any]) -> str | None:
     return _DTYPE_NAMES.get(np.dtype(dtype))
 
 
+def compile_options() -> tuple[str, ...]:
+    """Return the options cupy-amp passes to ``cupy.RawModule`` (CuPy adds its own)."""
+    return (
+        *NVRTC_OPTIONS,
+        f"-DCUPY_AMP_THREADS={THREADS_PER_BLOCK}",
+        f"-DCUPY_AMP_MIN_BLOCKS={MIN_BLOCKS_PER_SM}",
+        f"-DCUPY_AMP_UNROLL={UNROLL}",
+    )
+
+
 def _function(file_name: str, entry: str) -> Any:
     device_id = cupy.cuda.Device().id
     key = (device_id, file_name)
@@ -51,7 +70,7 @@ def _function(file_name: str, entry: str) -> Any:
         with _lock:
             module = _modules.get(key)
             if module is None:
-                module = cupy.RawModule(code=read_kernel_source(file_name), options=NVRTC_OPTIONS)
+                module = cupy.RawModule(code=read_kernel_source(file_name), options=compile_options())
                 _modules[key] = module
     return module.get_function(entry)
 
@@ -136,6 +155,17 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
     )
 
 
+@functools.cache
+def _multiprocessors(device_id: int) -> int:
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def _grid(chunks: int) -> int:
+    if GRID_BLOCKS_PER_SM:
+        return max(1, min(chunks, GRID_BLOCKS_PER_SM * _multiprocessors(cupy.cuda.Device().id)))
+    return min(chunks, _MAX_GRID)
+
+
 def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: cupy.ndarray) -> None:
     """Launch the fused unscale-and-check over ``table`` on the current stream.
 
@@ -145,7 +175,7 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
         return
     kernel = _function("unscale_check.cu", f"cupy_amp_unscale_check_{table.dtype_name}")
     kernel(
-        (min(table.chunks, _MAX_GRID),),
+        (_grid(table.chunks),),
         (THREADS_PER_BLOCK,),
         (
             table.desc,

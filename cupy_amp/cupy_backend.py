@@ -26,7 +26,7 @@ try:
 except ImportError:  # the NumPy path works without CuPy
     cupy = None
 
-__all__ = ["CupyBackend", "CupyOverflowCheck", "cupy_backend"]
+__all__ = ["CupyBackend", "CupyOverflowCheck", "CupyUnscalePlan", "cupy_backend"]
 
 _TABLE_CACHE_SIZE = 16
 
@@ -45,6 +45,40 @@ class CupyOverflowCheck:
     def nonfinite_positions(self) -> list[int]:
         """Return the positions of the gradients that held inf/nan."""
         return list(self.positions)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """The gradients of one (device, dtype): one kernel launch."""
+
+    device_id: int
+    positions: tuple[int, ...]
+    table: Any
+
+
+class CupyUnscalePlan:
+    """Launch groups and device tables for one list of CuPy gradients.
+
+    Holds no reference to the arrays. Reuse is valid while the same array
+    objects come back: their addresses cannot change, and for the few
+    non-dense arrays the shape and strides are re-checked.
+    """
+
+    def __init__(
+        self, backend: CupyBackend, groups: tuple[_Group, ...], strided: tuple[tuple[int, Any, Any], ...]
+    ) -> None:
+        self._backend = backend
+        self.groups = groups
+        self._strided = strided
+
+    def still_valid(self, arrays: Sequence[Any]) -> bool:
+        return all(
+            arrays[position].shape == shape and arrays[position].strides == strides
+            for position, shape, strides in self._strided
+        )
+
+    def run(self, arrays: Sequence[Any], inv_scale: np.float32) -> CupyOverflowCheck:
+        return self._backend.run_plan(self, inv_scale)
 
 
 class _FlagSlot:
@@ -96,6 +130,8 @@ class CupyBackend:
         return f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
 
     def write_problem(self, array: Any) -> str | None:
+        if array.size == 0:
+            return None
         for extent, stride in zip(array.shape, array.strides):
             if stride % array.itemsize:
                 return f"its strides {array.strides} are not multiples of its itemsize {array.itemsize}"
@@ -115,32 +151,46 @@ class CupyBackend:
         with loss.device:
             self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
 
-    def unscale_and_check(self, arrays: Sequence[Any], inv_scale: np.float32) -> CupyOverflowCheck:
-        groups: dict[tuple[int, str], list[int]] = {}
+    def prepare(self, arrays: Sequence[Any]) -> CupyUnscalePlan:
+        positions_by_group: dict[tuple[int, str], list[int]] = {}
         for position, array in enumerate(arrays):
             key = (array.device.id, self._kernels.kernel_dtype_name(array.dtype))
-            groups.setdefault(key, []).append(position)
-        epoch = next(self._epochs) % (2**31 - 1) + 1
-
-        launched: dict[int, list[tuple[Any, list[int]]]] = {}
-        for (device_id, dtype_name), positions in groups.items():
+            positions_by_group.setdefault(key, []).append(position)
+        groups = []
+        for (device_id, dtype_name), positions in positions_by_group.items():
             with cupy.cuda.Device(device_id):
                 table = self._table(device_id, dtype_name, [arrays[p] for p in positions])
-                slot = self._flag_slot(device_id)
-                self._kernels.launch_unscale_check(table, np.float32(inv_scale), epoch, slot.device)
-            launched.setdefault(device_id, []).append((table, positions))
+            groups.append(_Group(device_id, tuple(positions), table))
+        strided = tuple(
+            (position, array.shape, array.strides)
+            for position, array in enumerate(arrays)
+            if self._kernels.dense_base(array) is None
+        )
+        return CupyUnscalePlan(self, tuple(groups), strided)
+
+    def run_plan(self, plan: CupyUnscalePlan, inv_scale: np.float32) -> CupyOverflowCheck:
+        """Launch every group of ``plan``, then read each device's flag once."""
+        epoch = next(self._epochs) % (2**31 - 1) + 1
+        factor = np.float32(inv_scale)
+        devices: list[int] = []
+        for group in plan.groups:
+            with cupy.cuda.Device(group.device_id):
+                self._kernels.launch_unscale_check(group.table, factor, epoch, self._flag_slot(group.device_id).device)
+            if group.device_id not in devices:
+                devices.append(group.device_id)
 
         overflow = False
         culprits: list[int] = []
-        for device_id, tables in launched.items():
+        for device_id in devices:
             with cupy.cuda.Device(device_id):
                 stream = cupy.cuda.get_current_stream()
                 if self._flag_slot(device_id).read(stream) != epoch:
                     continue
                 overflow = True
-                for table, positions in tables:
-                    flags = table.tensor_found.get(stream=stream)
-                    culprits += [positions[i] for i in np.flatnonzero(flags == epoch)]
+                for group in plan.groups:
+                    if group.device_id == device_id:
+                        flags = group.table.tensor_found.get(stream=stream)
+                        culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
         return CupyOverflowCheck(overflow, tuple(sorted(culprits)))
 
     def _flag_slot(self, device_id: int) -> _FlagSlot:

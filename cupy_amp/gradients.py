@@ -13,7 +13,7 @@ from typing import Any
 from cupy_amp.array_backend import ArrayBackend, backend_for
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
 
-__all__ = ["GradientBatch", "MemoryClaim", "claim_memory", "collect_gradients", "collect_loss", "describe"]
+__all__ = ["GradientBatch", "check_disjoint", "collect_gradients", "collect_loss", "describe"]
 
 
 @dataclass(frozen=True)
@@ -25,16 +25,19 @@ class GradientBatch:
             key in a mapping.
         arrays: The arrays, in argument order, ``None`` entries left out.
         backend: The backend all arrays belong to; None for an empty batch.
+        native: True when every entry already was the backend's own array type
+            (no zero-copy wrapping of a foreign array was needed).
     """
 
     labels: tuple[Hashable, ...]
     arrays: tuple[Any, ...]
     backend: ArrayBackend | None
+    native: bool = True
 
 
 @dataclass(frozen=True)
-class MemoryClaim:
-    """Memory an earlier call of the same step already unscaled."""
+class _Claim:
+    """The bytes one gradient spans, tagged with the call it came from."""
 
     domain: Hashable
     start: int
@@ -82,6 +85,7 @@ def collect_gradients(gradients: Any) -> GradientBatch:
     arrays: list[Any] = []
     backend: ArrayBackend | None = None
     first_label: Hashable = None
+    native = True
     for label, entry in entries:
         if entry is None:
             continue
@@ -106,40 +110,43 @@ def collect_gradients(gradients: Any) -> GradientBatch:
             raise GradientValueError(f"{describe(label)} cannot be unscaled in place: {problem}.")
         labels.append(label)
         arrays.append(array)
-    return GradientBatch(tuple(labels), tuple(arrays), backend)
+        native = native and array is entry
+    return GradientBatch(tuple(labels), tuple(arrays), backend, native)
 
 
-def claim_memory(batch: GradientBatch, earlier: Sequence[MemoryClaim], call: int) -> list[MemoryClaim]:
-    """Return the batch's memory claims, after checking no element is claimed twice.
+def check_disjoint(batches: Sequence[GradientBatch]) -> None:
+    """Check that no element is claimed twice by the batches of one step.
 
-    ``earlier`` holds the claims of the step's previous calls; ``call`` numbers
-    this one. Extents are compared after sorting, and only overlapping extents
-    are checked element by element, so the usual disjoint case costs a sort.
+    The last batch is the new call; earlier batches were checked before, so
+    only pairs involving the new one are examined. Extents are compared after
+    sorting and only overlapping extents are checked element by element, so
+    the usual disjoint case costs a sort.
 
     Raises:
-        DuplicateGradientError: Two arrays of the batch share memory, or an
-            array shares memory with one an earlier call of this step unscaled.
+        DuplicateGradientError: Two arrays of the new batch share memory, or one
+            of them shares memory with an array an earlier call of this step unscaled.
     """
-    if batch.backend is None:
-        return []
-    backend = batch.backend
+    new_call = len(batches) - 1
     claims = []
-    for label, array in zip(batch.labels, batch.arrays):
-        domain, start, stop = backend.memory_extent(array)
-        if stop > start:
-            claims.append(MemoryClaim(domain, start, stop, call, label, array))
-    everything = sorted([*earlier, *claims], key=lambda claim: (repr(claim.domain), claim.start))
-    active: list[MemoryClaim] = []
-    for claim in everything:
+    for call, batch in enumerate(batches):
+        if batch.backend is None:
+            continue
+        for label, array in zip(batch.labels, batch.arrays):
+            domain, start, stop = batch.backend.memory_extent(array)
+            if stop > start:
+                claims.append(_Claim(domain, start, stop, call, label, array))
+    claims.sort(key=lambda claim: (repr(claim.domain), claim.start))
+    active: list[_Claim] = []
+    backend = batches[-1].backend
+    for claim in claims:
         active = [other for other in active if other.domain == claim.domain and other.stop > claim.start]
         for other in active:
-            if other.call == call or claim.call == call:
-                _raise_if_shared(backend, other, claim, call)
+            if backend is not None and new_call in (other.call, claim.call):
+                _raise_if_shared(backend, other, claim, new_call)
         active.append(claim)
-    return claims
 
 
-def _raise_if_shared(backend: ArrayBackend, first: MemoryClaim, second: MemoryClaim, call: int) -> None:
+def _raise_if_shared(backend: ArrayBackend, first: _Claim, second: _Claim, new_call: int) -> None:
     if not backend.shares_memory(first.array, second.array):
         return
     if first.call == second.call:
@@ -147,7 +154,7 @@ def _raise_if_shared(backend: ArrayBackend, first: MemoryClaim, second: MemoryCl
             f"{describe(first.label)} and {describe(second.label)} share memory: unscaling both would divide "
             f"the shared elements twice. Pass each gradient once."
         )
-    old, new = (first, second) if first.call < call else (second, first)
+    old, new = (first, second) if first.call < new_call else (second, first)
     raise DuplicateGradientError(
         f"{describe(new.label)} shares memory with {describe(old.label)}, which an earlier unscale_and_check "
         f"call of this step (call {old.call + 1}) already unscaled; unscaling it again would divide it twice. "

@@ -15,7 +15,7 @@ import numpy as np
 
 from cupy_amp.array_backend import byte_extent
 
-__all__ = ["NUMPY_BACKEND", "NumpyBackend", "NumpyOverflowCheck", "SUPPORTED_NUMPY_DTYPES"]
+__all__ = ["NUMPY_BACKEND", "SUPPORTED_NUMPY_DTYPES", "NumpyBackend", "NumpyOverflowCheck", "NumpyUnscalePlan"]
 
 SUPPORTED_NUMPY_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -64,7 +64,20 @@ class NumpyBackend:
     def scale_in_place(self, loss: np.ndarray, scale: np.float32) -> None:
         _multiply_in_place(loss, scale)
 
-    def unscale_and_check(self, arrays: Sequence[np.ndarray], inv_scale: np.float32) -> NumpyOverflowCheck:
+    def prepare(self, arrays: Sequence[np.ndarray]) -> NumpyUnscalePlan:
+        return NumpyUnscalePlan(tuple(array.dtype for array in arrays))
+
+
+@dataclass(frozen=True)
+class NumpyUnscalePlan:
+    """NumPy needs no preparation; on reuse the plan re-checks what NumPy lets change in place."""
+
+    dtypes: tuple[np.dtype, ...]
+
+    def still_valid(self, arrays: Sequence[np.ndarray]) -> bool:
+        return all(array.flags.writeable for array in arrays) and self.dtypes == tuple(a.dtype for a in arrays)
+
+    def run(self, arrays: Sequence[np.ndarray], inv_scale: np.float32) -> NumpyOverflowCheck:
         flags = []
         for array in arrays:
             flags.append(not bool(np.isfinite(array).all()))

@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.array_backend import OverflowCheck
+from cupy_amp.array_backend import OverflowCheck, UnscalePlan
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
-from cupy_amp.gradients import MemoryClaim, claim_memory, collect_gradients, collect_loss
+from cupy_amp.gradient_cache import PreparedCallCache
+from cupy_amp.gradients import GradientBatch, check_disjoint, collect_gradients, collect_loss
 from cupy_amp.stats import GradScalerStats
 from cupy_amp.update_rule import ScalerState, inverse_scale, next_state
 from cupy_amp.validation import expect_bool, expect_float32
@@ -91,8 +92,10 @@ class GradScaler:
         self._step_open = False
         # The current step's calls, or the last step's once update() closed it.
         self._calls: list[_CheckedCall] = []
-        # Memory unscaled in the open step; holds the arrays so their addresses stay theirs.
-        self._claims: list[MemoryClaim] = []
+        # The open step's gradient batches, to refuse unscaling any memory twice in a step.
+        self._step_batches: list[GradientBatch] = []
+        # Gradient arguments seen before, so a repeated list skips validation and setup.
+        self._prepared = PreparedCallCache()
 
     @classmethod
     def with_params(
@@ -158,24 +161,30 @@ class GradScaler:
         """
         if not self._enabled:
             return True
-        batch = collect_gradients(gradients)
+        known = self._prepared.lookup(gradients)
+        if known is not None:
+            prepared, arrays = known
+            batch = GradientBatch(prepared.labels, arrays, prepared.backend)
+            plan: UnscalePlan | None = prepared.plan
+        else:
+            batch = collect_gradients(gradients)
+            check_disjoint([batch])
+            plan = batch.backend.prepare(batch.arrays) if batch.backend is not None and batch.arrays else None
+            if plan is not None:
+                self._prepared.store(gradients, batch, plan)
         new_step = not self._step_open
-        earlier = [] if new_step else self._claims
-        call_index = 0 if new_step else len(self._calls)
-        claims = claim_memory(batch, earlier, call_index)
+        if not new_step:
+            check_disjoint([*self._step_batches, batch])
 
-        check = None
-        overflowed = False
-        if batch.arrays and batch.backend is not None:
-            check = batch.backend.unscale_and_check(batch.arrays, inverse_scale(self._state.scale))
-            overflowed = check.found_overflow()
+        check = plan.run(batch.arrays, inverse_scale(self._state.scale)) if plan is not None else None
+        overflowed = check is not None and check.found_overflow()
 
         if new_step:
             self._step_open = True
             self._found_overflow = False
             self._calls = []
-            self._claims = []
-        self._claims.extend(claims)
+            self._step_batches = []
+        self._step_batches.append(batch)
         self._calls.append(_CheckedCall(batch.labels, check, overflowed))
         self._found_overflow = self._found_overflow or overflowed
         return not overflowed
@@ -199,7 +208,7 @@ class GradScaler:
             )
         self._state = next_state(self._config, self._state, self._found_overflow)
         self._step_open = False
-        self._claims = []
+        self._step_batches = []
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed.
@@ -312,7 +321,7 @@ class GradScaler:
         self._enabled = checkpoint.enabled
         self._found_overflow = checkpoint.found_overflow
         self._calls = []
-        self._claims = []
+        self._step_batches = []
 
     def __repr__(self) -> str:
         config = self._config

@@ -9,6 +9,17 @@
 //   only possible once the scale has underflowed to 0) is x86's default NaN;
 // - inf/nan is detected on the bits, before multiplying.
 
+// Launch shape, set by the Python side with -D (these defaults match it).
+#ifndef CUPY_AMP_THREADS
+#define CUPY_AMP_THREADS 512
+#endif
+#ifndef CUPY_AMP_MIN_BLOCKS
+#define CUPY_AMP_MIN_BLOCKS 1
+#endif
+#ifndef CUPY_AMP_UNROLL
+#define CUPY_AMP_UNROLL 4
+#endif
+
 typedef unsigned short cupy_amp_u16;
 typedef unsigned int cupy_amp_u32;
 typedef unsigned long long cupy_amp_u64;
@@ -89,7 +100,7 @@ template <class Type>
 __device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long long last, float factor) {
     typedef typename Type::bits bits;
     const int vec = 16 / sizeof(bits);
-    const int unroll = 4;
+    const int unroll = CUPY_AMP_UNROLL;
     bits* data = reinterpret_cast<bits*>(base);
     bool bad = false;
 

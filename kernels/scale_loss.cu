@@ -15,7 +15,7 @@ __device__ void cupy_amp_scale_loss(
 }
 
 #define CUPY_AMP_SCALE_LOSS_ENTRY(NAME, TYPE)                                                                    \
-    extern "C" __global__ void __launch_bounds__(512)                                                          \
+    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, CUPY_AMP_MIN_BLOCKS)                                                          \
         NAME(cupy_amp_u64 base, long long numel, int ndim, const long long* layout, long long chunk_size,       \
              float scale) {                                                                                     \
         cupy_amp_scale_loss<TYPE>(base, numel, ndim, layout, chunk_size, scale);                               \

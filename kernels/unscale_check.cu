@@ -31,7 +31,7 @@ __device__ void cupy_amp_unscale_check(
 }
 
 #define CUPY_AMP_UNSCALE_CHECK_ENTRY(NAME, TYPE)                                                                  \
-    extern "C" __global__ void __launch_bounds__(512) NAME(                                                     \
+    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, CUPY_AMP_MIN_BLOCKS) NAME(                                                     \
         const long long* desc, const long long* chunk_first, const long long* chunk_tensor, const long long* layout, \
         long long chunks, long long chunk_size, float inv_scale, int epoch, int* found, int* tensor_found) {    \
         cupy_amp_unscale_check<TYPE>(desc, chunk_first, chunk_tensor, layout, chunks, chunk_size, inv_scale, epoch, \

@@ -133,12 +133,14 @@ def check_detection(scaler: GradScaler, grads: list[cupy.ndarray]) -> None:
 def bench_ours(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float]:
     backend = cupy_backend()
     assert backend is not None
-    dtype_name = cuda_kernels.kernel_dtype_name(grads[0].dtype)
-    table = backend._table(cupy.cuda.Device().id, dtype_name, grads)
+    plan = backend.prepare(grads)
     flag = cupy.zeros(1, dtype=cupy.int32)
-    kernel_us = event_median_us(
-        lambda i: cuda_kernels.launch_unscale_check(table, INV_SCALES[i % 2], i + 1, flag), repeats
-    )
+
+    def launch(i: int) -> None:
+        for group in plan.groups:
+            cuda_kernels.launch_unscale_check(group.table, INV_SCALES[i % 2], i + 1, flag)
+
+    kernel_us = event_median_us(launch, repeats)
     scalers = [GradScaler(init_scale=2.0**16, max_scale=None), GradScaler(init_scale=2.0**-16, min_scale=None)]
 
     def full_call(i: int) -> None:
@@ -170,31 +172,46 @@ def bench_torch(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float] 
         return None
     if not torch.cuda.is_available():
         return None
+    cupy.cuda.Device().synchronize()
     tensors = [torch.as_tensor(g, device="cuda") for g in grads]  # zero-copy views of the same memory
     found = torch.zeros(1, device="cuda")
     invs = [torch.full((1,), float(s), device="cuda") for s in INV_SCALES]
-    stream = torch.cuda.ExternalStream(cupy.cuda.get_current_stream().ptr)
 
     def kernel(i: int) -> None:
-        with torch.cuda.stream(stream):
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
 
     def full_call(i: int) -> None:
-        with torch.cuda.stream(stream):
-            found.zero_()
-            torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
-            found.item()
+        found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
+        found.item()
 
-    return event_median_us(kernel, repeats), wall_median_us(full_call, repeats)
+    for i in range(3):
+        kernel(i)
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        kernel(i)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) * 1000.0)
+    torch.cuda.synchronize()
+    wall = []
+    for i in range(repeats):
+        begin = time.perf_counter()
+        full_call(i)
+        wall.append((time.perf_counter() - begin) * 1e6)
+    return statistics.median(times), statistics.median(wall)
 
 
 def bench_naive(grads: list[cupy.ndarray], repeats: int) -> float:
     def loop(i: int) -> None:
-        inv = INV_SCALES[i % 2]
+        inv = float(INV_SCALES[i % 2])
         bad = cupy.zeros((), dtype=cupy.bool_)
         for g in grads:
             bad |= ~cupy.isfinite(g).all()
-            g *= g.dtype.type(inv)
+            g *= inv
         bool(bad)
 
     return wall_median_us(loop, max(3, repeats // 4), warmup=1)

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cupy_amp.kernel_sources import KERNEL_FILES, NVRTC_OPTIONS, kernel_directory, read_kernel_source  # noqa: E402
+from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, read_kernel_source  # noqa: E402
 
 DEFAULT_ARCHS = ("70", "80", "90")
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -58,7 +58,9 @@ def nvrtc_problem() -> str | None:
 
 def compile_options(arch: str) -> tuple[str, ...]:
     """Return the full NVRTC option list CuPy would use for ``arch``."""
-    return (*NVRTC_OPTIONS, *CUPY_ADDED_OPTIONS, f"-arch=sm_{arch}")
+    from cupy_amp.cuda_kernels import compile_options as runtime_options
+
+    return (*runtime_options(), *CUPY_ADDED_OPTIONS, f"-arch=sm_{arch}")
 
 
 def compile_kernel(file_name: str, arch: str) -> CompileResult:

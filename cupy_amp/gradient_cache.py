@@ -1,0 +1,108 @@
+"""Recognise a gradient argument seen in an earlier step, to skip redoing its setup.
+
+Training loops pass the same gradient arrays every step. When every entry of
+a list, tuple or dict is identical (the same objects, in the same order,
+under the same keys) to a call seen before, the earlier validation and the
+backend's prepared launch plan (for CuPy: device tables) are reused. Entries
+are held through weak references, so the cache never keeps a gradient alive.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+from cupy_amp.array_backend import ArrayBackend, UnscalePlan
+from cupy_amp.gradients import GradientBatch
+
+__all__ = ["PreparedCall", "PreparedCallCache"]
+
+
+def _none_ref() -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class PreparedCall:
+    """A validated gradient argument and the backend's plan for it."""
+
+    labels: tuple[Hashable, ...]
+    backend: ArrayBackend
+    plan: UnscalePlan
+    keys: tuple[Hashable, ...] | None
+    refs: tuple[Any, ...]
+    none_count: int
+    alive: list[bool]  # set to [False] by a weak-reference callback when any entry dies
+
+    def matches(self, keys: tuple[Hashable, ...] | None, values: Any) -> bool:
+        """Return True if ``values`` (and ``keys``) are exactly the entries this call was prepared for."""
+        # A dead weak reference gives None, which must not pass for a None entry: hence `alive`.
+        if not self.alive[0] or len(values) != len(self.refs) or keys != self.keys:
+            return False
+        return all(map(operator.is_, values, [ref() for ref in self.refs]))
+
+
+class PreparedCallCache:
+    """The few most recent gradient arguments (one per optimizer, say) and their plans."""
+
+    def __init__(self, capacity: int = 4) -> None:
+        self._capacity = capacity
+        self._calls: list[PreparedCall] = []
+
+    def lookup(self, gradients: Any) -> tuple[PreparedCall, tuple[Any, ...]] | None:
+        """Return the prepared call and its arrays if ``gradients`` was seen before, else None."""
+        split = _split(gradients)
+        if split is None:
+            return None
+        keys, values = split
+        for index, prepared in enumerate(self._calls):
+            if not prepared.matches(keys, values):
+                continue
+            arrays = tuple(v for v in values if v is not None) if prepared.none_count else tuple(values)
+            if not prepared.plan.still_valid(arrays):
+                del self._calls[index]
+                return None
+            if index:
+                self._calls.insert(0, self._calls.pop(index))
+            return prepared, arrays
+        return None
+
+    def store(self, gradients: Any, batch: GradientBatch, plan: UnscalePlan) -> PreparedCall | None:
+        """Remember a freshly validated call, when its argument can be recognised later."""
+        split = _split(gradients)
+        if split is None or not batch.native or batch.backend is None:
+            return None  # a wrapped foreign array may change its memory behind the same object
+        keys, values = split
+        alive = [True]
+
+        def entry_died(_: object) -> None:
+            alive[0] = False
+
+        prepared = PreparedCall(
+            labels=batch.labels,
+            backend=batch.backend,
+            plan=plan,
+            keys=keys,
+            refs=tuple(_none_ref if v is None else weakref.ref(v, entry_died) for v in values),
+            none_count=sum(v is None for v in values),
+            alive=alive,
+        )
+        self._calls.insert(0, prepared)
+        del self._calls[self._capacity :]
+        return prepared
+
+    def clear(self) -> None:
+        """Forget every prepared call."""
+        self._calls.clear()
+
+
+def _split(gradients: Any) -> tuple[tuple[Hashable, ...] | None, Any] | None:
+    kind = type(gradients)
+    if kind is list or kind is tuple:
+        return None, gradients
+    if kind is dict:
+        return tuple(gradients), tuple(gradients.values())
+    return None
