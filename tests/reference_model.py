@@ -1,0 +1,184 @@
+"""A deliberately plain reference of the loss scaler, written from the spec (issue 2).
+
+Nothing here imports cupy_amp: the update rule is spelled out branch by branch
+and the numerics are computed one element at a time with NumPy scalars, so a
+shared mistake between this model and the library is unlikely.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def f32(value: float) -> float:
+    """Round a Python float to float32 (overflow gives inf, underflow 0), as a Python float."""
+    with np.errstate(over="ignore", under="ignore"):
+        return float(np.float32(value))
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """The scaler's constructor arguments (all of them except ``enabled``)."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float | None = 1.0
+    max_scale: float | None = 2.0**24
+    hysteresis: int = 1
+
+    def kwargs(self) -> dict[str, Any]:
+        """Return the fields as keyword arguments for ``GradScaler``."""
+        return asdict(self)
+
+
+@dataclass
+class RefScaler:
+    """The update rule of the spec, one step at a time."""
+
+    config: RefConfig
+    enabled: bool = True
+    scale: float = field(init=False)
+    consecutive_good_steps: int = field(init=False, default=0)
+    hysteresis_tracker: int = field(init=False)
+    steps: int = field(init=False, default=0)
+    skipped_steps: int = field(init=False, default=0)
+    growths: int = field(init=False, default=0)
+    backoffs: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.scale = f32(self.config.init_scale)
+        self.hysteresis_tracker = self.config.hysteresis
+
+    @property
+    def min_scale(self) -> float | None:
+        return None if self.config.min_scale is None else f32(self.config.min_scale)
+
+    @property
+    def max_scale(self) -> float | None:
+        return None if self.config.max_scale is None else f32(self.config.max_scale)
+
+    def scale_factor(self) -> float:
+        return self.scale if self.enabled else 1.0
+
+    def step(self, overflow: bool) -> None:
+        """Apply ``update()`` after a step that did (or did not) overflow."""
+        if not self.enabled:
+            return
+        self.steps += 1
+        old = self.scale
+        if overflow:
+            self.skipped_steps += 1
+            self.consecutive_good_steps = 0
+            if self.hysteresis_tracker > 0:
+                self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker == 0:
+                new = f32(old * self.config.backoff_factor)
+                if self.min_scale is not None and new < self.min_scale:
+                    new = self.min_scale
+                self.scale = new
+                if new != old:
+                    self.backoffs += 1
+            return
+        self.consecutive_good_steps += 1
+        if self.consecutive_good_steps < self.config.growth_interval:
+            return
+        new = f32(old * self.config.growth_factor)
+        if math.isfinite(new):
+            if self.max_scale is not None and new > self.max_scale:
+                new = self.max_scale
+            self.scale = new
+            if new != old:
+                self.growths += 1
+        self.consecutive_good_steps = 0
+        self.hysteresis_tracker = self.config.hysteresis
+
+    def stats_dict(self) -> dict[str, Any]:
+        """Return what ``GradScaler.stats().to_dict()`` should return."""
+        return {
+            "scale": self.scale,
+            "consecutive_good_steps": self.consecutive_good_steps,
+            "hysteresis_tracker": self.hysteresis_tracker,
+            "enabled": self.enabled,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "growths": self.growths,
+            "backoffs": self.backoffs,
+        }
+
+
+def inv_scale(scale: float) -> np.float32:
+    """Return float32(1 / float64(scale)): inf for a scale of 0."""
+    if scale == 0.0:
+        return np.float32(np.inf)
+    with np.errstate(over="ignore"):
+        return np.float32(1.0 / float(scale))
+
+
+def _elementwise(array: np.ndarray, factor: float | np.float32, name: str) -> np.ndarray:
+    """Return a new C-ordered array: every element multiplied by ``factor`` the spec's way."""
+    dtype = array.dtype
+    flat = np.array(array, copy=True).reshape(-1)
+    out = np.empty(flat.shape, dtype=dtype)
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for i in range(flat.size):
+            if dtype == np.float64:
+                out[i] = float(flat[i]) * float(factor)
+            elif dtype in (np.float16, np.float32):
+                product = np.float32(flat[i]) * np.float32(factor)
+                out[i] = product.astype(dtype)
+            else:
+                raise TypeError(f"{name}: unsupported dtype {dtype}")
+    return out.reshape(array.shape)
+
+
+def is_overflowing(array: np.ndarray) -> bool:
+    """Return True if any element is inf or nan (checked before unscaling)."""
+    return any(not math.isfinite(float(value)) for value in np.array(array, copy=True).reshape(-1))
+
+
+def unscaled(array: np.ndarray, scale: float) -> np.ndarray:
+    """Return what ``unscale_and_check`` leaves in ``array`` for the given stored scale."""
+    return _elementwise(array, inv_scale(scale), "unscale")
+
+
+def scaled_loss(loss: np.ndarray, scale: float) -> np.ndarray:
+    """Return what ``scale_loss`` leaves in ``loss`` for the given factor."""
+    return _elementwise(loss, np.float32(scale), "scale_loss")
+
+
+_BITS = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
+
+
+def same_bits(actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Return True if the arrays match bit for bit, NaNs matching any NaN.
+
+    Finite values and infinities must have identical bits (so -0.0 differs
+    from 0.0); a NaN must stay a NaN, whatever its payload, which IEEE leaves
+    to the hardware.
+    """
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    a = np.ascontiguousarray(actual).reshape(-1)
+    e = np.ascontiguousarray(expected).reshape(-1)
+    a_nan, e_nan = np.isnan(a), np.isnan(e)
+    if not np.array_equal(a_nan, e_nan):
+        return False
+    bits = _BITS[a.dtype]
+    return bool(np.array_equal(a[~a_nan].view(bits), e[~e_nan].view(bits)))
+
+
+def identical(actual: np.ndarray, expected: np.ndarray) -> bool:
+    """Return True if the arrays hold exactly the same bytes (NaN payloads included)."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        return False
+    a = np.ascontiguousarray(actual).reshape(-1)
+    e = np.ascontiguousarray(expected).reshape(-1)
+    return a.tobytes() == e.tobytes()

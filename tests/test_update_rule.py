@@ -1,0 +1,383 @@
+"""The update rule, walked step by step through the public API with every field asserted."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cupy_amp import GradScaler
+
+TINY = float(np.float32(2.0**-149))  # the smallest float32 subnormal
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def step(scaler: GradScaler, overflow: bool) -> None:
+    """Run one training step whose gradients do (or do not) hold an inf."""
+    grad = np.array([1.0, np.inf if overflow else 2.0, 3.0], dtype=np.float32)
+    assert scaler.unscale_and_check([grad]) is (not overflow)
+    scaler.update()
+    assert scaler.had_overflow() is overflow
+
+
+def expect(
+    scaler: GradScaler,
+    *,
+    scale: float,
+    good: int,
+    hysteresis: int,
+    steps: int,
+    skipped: int,
+    growths: int,
+    backoffs: int,
+    enabled: bool = True,
+) -> None:
+    """Assert every field of ``stats()`` and ``scale_factor()``."""
+    assert scaler.stats().to_dict() == {
+        "scale": scale,
+        "consecutive_good_steps": good,
+        "hysteresis_tracker": hysteresis,
+        "enabled": enabled,
+        "steps": steps,
+        "skipped_steps": skipped,
+        "growths": growths,
+        "backoffs": backoffs,
+    }
+    assert scaler.scale_factor() == (scale if enabled else 1.0)
+    assert isinstance(scaler.stats().scale, float)
+
+
+def test_defaults() -> None:
+    scaler = GradScaler()
+    expect(scaler, scale=65536.0, good=0, hysteresis=1, steps=0, skipped=0, growths=0, backoffs=0)
+    ckpt = scaler.checkpoint()
+    assert (ckpt.growth_factor, ckpt.backoff_factor, ckpt.growth_interval) == (2.0, 0.5, 2000)
+    assert (ckpt.min_scale, ckpt.max_scale, ckpt.hysteresis) == (1.0, 2.0**24, 1)
+    assert scaler.is_enabled() is True
+    assert scaler.had_overflow() is False
+    assert scaler.nonfinite_gradients() == []
+
+
+def test_all_parameters_are_keywords() -> None:
+    scaler = GradScaler(
+        init_scale=8.0,
+        growth_factor=4.0,
+        backoff_factor=0.25,
+        growth_interval=1,
+        enabled=True,
+        min_scale=2.0,
+        max_scale=512.0,
+        hysteresis=2,
+    )
+    expect(scaler, scale=8.0, good=0, hysteresis=2, steps=0, skipped=0, growths=0, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=32.0, good=0, hysteresis=2, steps=1, skipped=0, growths=1, backoffs=0)
+
+
+def test_with_params_sets_the_four_classic_parameters_and_keeps_default_clamps() -> None:
+    scaler = GradScaler.with_params(1024.0, 3.0, 0.25, 2)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=0, skipped=0, growths=0, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=1024.0, good=1, hysteresis=1, steps=1, skipped=0, growths=0, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=3072.0, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=768.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1)
+    # The default clamps are kept: min_scale 1.0 floors the backoff.
+    for _ in range(5):
+        step(scaler, True)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=8, skipped=6, growths=1, backoffs=6)
+
+
+def test_backoff_on_overflow() -> None:
+    scaler = GradScaler(init_scale=1024.0, growth_interval=3)
+    step(scaler, True)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    # With the hysteresis tracker already at 0, every further overflow backs off again.
+    step(scaler, True)
+    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2)
+
+
+def test_overflow_resets_growth_tracker() -> None:
+    scaler = GradScaler(init_scale=1024.0, growth_interval=3)
+    step(scaler, False)
+    step(scaler, False)
+    expect(scaler, scale=1024.0, good=2, hysteresis=1, steps=2, skipped=0, growths=0, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=1, growths=0, backoffs=1)
+    step(scaler, False)
+    step(scaler, False)
+    expect(scaler, scale=512.0, good=2, hysteresis=0, steps=5, skipped=1, growths=0, backoffs=1)
+    step(scaler, False)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=6, skipped=1, growths=1, backoffs=1)
+
+
+def test_growth_after_interval() -> None:
+    scaler = GradScaler(init_scale=16.0, growth_interval=3)
+    step(scaler, False)
+    expect(scaler, scale=16.0, good=1, hysteresis=1, steps=1, skipped=0, growths=0, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=16.0, good=2, hysteresis=1, steps=2, skipped=0, growths=0, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=32.0, good=0, hysteresis=1, steps=3, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)
+    step(scaler, False)
+    step(scaler, False)
+    expect(scaler, scale=64.0, good=0, hysteresis=1, steps=6, skipped=0, growths=2, backoffs=0)
+
+
+def test_growth_interval_one_grows_every_clean_step() -> None:
+    scaler = GradScaler(init_scale=1.0, growth_interval=1, growth_factor=2.0)
+    for n in range(1, 6):
+        step(scaler, False)
+        expect(scaler, scale=2.0**n, good=0, hysteresis=1, steps=n, skipped=0, growths=n, backoffs=0)
+
+
+def test_growth_and_backoff_products_are_rounded_to_float32() -> None:
+    scaler = GradScaler(init_scale=1.0, growth_factor=1.1, backoff_factor=0.3, growth_interval=1, min_scale=None)
+    step(scaler, False)
+    grown = float(np.float32(1.1))
+    assert grown != 1.1
+    expect(scaler, scale=grown, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    step(scaler, True)
+    shrunk = float(np.float32(grown * 0.3))
+    expect(scaler, scale=shrunk, good=0, hysteresis=0, steps=2, skipped=1, growths=1, backoffs=1)
+    assert float(np.float32(shrunk)) == shrunk
+
+
+def test_hysteresis_delays_backoff() -> None:
+    scaler = GradScaler(init_scale=1024.0, hysteresis=3, growth_interval=100)
+    step(scaler, True)
+    expect(scaler, scale=1024.0, good=0, hysteresis=2, steps=1, skipped=1, growths=0, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=2, skipped=2, growths=0, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1)
+    step(scaler, True)
+    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=4, skipped=4, growths=0, backoffs=2)
+
+
+def test_hysteresis_not_refilled_by_clean_steps() -> None:
+    scaler = GradScaler(init_scale=1024.0, hysteresis=2, growth_interval=10)
+    step(scaler, True)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0)
+    for n in range(1, 6):
+        step(scaler, False)
+        expect(scaler, scale=1024.0, good=n, hysteresis=1, steps=1 + n, skipped=1, growths=0, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=7, skipped=2, growths=0, backoffs=1)
+
+
+def test_hysteresis_refills_only_on_growth() -> None:
+    scaler = GradScaler(init_scale=1024.0, hysteresis=2, growth_interval=2)
+    step(scaler, True)
+    step(scaler, True)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+    step(scaler, False)
+    expect(scaler, scale=512.0, good=1, hysteresis=0, steps=3, skipped=2, growths=0, backoffs=1)
+    step(scaler, False)
+    expect(scaler, scale=1024.0, good=0, hysteresis=2, steps=4, skipped=2, growths=1, backoffs=1)
+    step(scaler, True)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=5, skipped=3, growths=1, backoffs=1)
+
+
+def test_hysteresis_refills_even_when_growth_is_clamped_away() -> None:
+    scaler = GradScaler(init_scale=64.0, max_scale=64.0, hysteresis=2, growth_interval=2)
+    step(scaler, True)
+    expect(scaler, scale=64.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0)
+    step(scaler, False)
+    step(scaler, False)
+    # The interval was reached: tracker reset and hysteresis refilled, though the scale stayed.
+    expect(scaler, scale=64.0, good=0, hysteresis=2, steps=3, skipped=1, growths=0, backoffs=0)
+
+
+def test_growth_never_reaches_inf() -> None:
+    scaler = GradScaler(init_scale=2.0**126, growth_factor=3.0, growth_interval=1, min_scale=None, max_scale=None)
+    step(scaler, False)
+    expect(scaler, scale=3.0 * 2.0**126, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)  # 9 * 2**126 does not fit float32: the scale stays
+    expect(scaler, scale=3.0 * 2.0**126, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=3.0 * 2.0**126, good=0, hysteresis=1, steps=3, skipped=0, growths=1, backoffs=0)
+
+
+def test_growth_to_float32_max_is_finite_and_kept() -> None:
+    half_max = FLOAT32_MAX / 2.0  # exactly representable: one less in the exponent
+    scaler = GradScaler(init_scale=half_max, growth_interval=1, min_scale=None, max_scale=None)
+    step(scaler, False)
+    expect(scaler, scale=FLOAT32_MAX, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=FLOAT32_MAX, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
+
+
+def test_max_scale_clamps_growth() -> None:
+    scaler = GradScaler(init_scale=600.0, max_scale=1000.0, growth_interval=1)
+    step(scaler, False)
+    expect(scaler, scale=1000.0, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=1000.0, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
+    step(scaler, True)
+    expect(scaler, scale=500.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1)
+
+
+def test_default_max_scale_is_two_to_the_24() -> None:
+    scaler = GradScaler(init_scale=2.0**23, growth_interval=1)
+    step(scaler, False)
+    expect(scaler, scale=2.0**24, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    step(scaler, False)
+    expect(scaler, scale=2.0**24, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
+
+
+def test_min_scale_floors_backoff() -> None:
+    scaler = GradScaler(init_scale=150.0, min_scale=100.0, growth_interval=5)
+    step(scaler, True)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    step(scaler, True)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+    step(scaler, True)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1)
+
+
+def test_default_min_scale_is_one() -> None:
+    scaler = GradScaler(init_scale=2.0)
+    step(scaler, True)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    step(scaler, True)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+
+
+def test_min_equal_max_pins_the_scale() -> None:
+    scaler = GradScaler(init_scale=8.0, min_scale=8.0, max_scale=8.0, growth_interval=1)
+    step(scaler, False)
+    step(scaler, True)
+    step(scaler, False)
+    expect(scaler, scale=8.0, good=0, hysteresis=1, steps=3, skipped=1, growths=0, backoffs=0)
+
+
+def test_scale_underflows_to_zero_without_floor() -> None:
+    scaler = GradScaler(init_scale=2 * TINY, min_scale=None, growth_interval=2)
+    step(scaler, True)
+    expect(scaler, scale=TINY, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    step(scaler, True)  # TINY / 2 is a tie between 0 and TINY: rounds to even, 0
+    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2)
+    step(scaler, True)
+    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=2)
+    step(scaler, False)
+    step(scaler, False)  # 0 * growth_factor is still 0: no growth counted
+    expect(scaler, scale=0.0, good=0, hysteresis=1, steps=5, skipped=3, growths=0, backoffs=2)
+    assert scaler.scale_factor() == 0.0
+
+
+def test_counters_only_count_real_changes() -> None:
+    scaler = GradScaler(
+        init_scale=1.0,
+        growth_factor=1.0 + 2.0**-30,
+        backoff_factor=1.0 - 2.0**-30,
+        growth_interval=1,
+        min_scale=None,
+    )
+    step(scaler, False)  # float32(1 + 2**-30) == 1: the scale did not change
+    expect(scaler, scale=1.0, good=0, hysteresis=1, steps=1, skipped=0, growths=0, backoffs=0)
+    step(scaler, True)  # float32(1 - 2**-30) == 1
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=0)
+
+
+def test_hysteresis_tracker_never_goes_below_zero() -> None:
+    scaler = GradScaler(init_scale=2.0**20, hysteresis=2)
+    for n in range(1, 6):
+        step(scaler, True)
+        expected_scale = 2.0**20 if n == 1 else 2.0 ** (20 - (n - 1))
+        expect(
+            scaler,
+            scale=expected_scale,
+            good=0,
+            hysteresis=max(2 - n, 0),
+            steps=n,
+            skipped=n,
+            growths=0,
+            backoffs=max(n - 1, 0),
+        )
+
+
+def test_disabled_update_is_a_no_op() -> None:
+    scaler = GradScaler(init_scale=1024.0, growth_interval=1, enabled=False)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=0, skipped=0, growths=0, backoffs=0, enabled=False)
+    assert scaler.unscale_and_check([np.array([np.inf], dtype=np.float32)]) is True
+    scaler.update()
+    scaler.update()
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=0, skipped=0, growths=0, backoffs=0, enabled=False)
+    scaler.set_enabled(True)
+    step(scaler, False)
+    expect(scaler, scale=2048.0, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
+    scaler.set_enabled(False)
+    expect(scaler, scale=2048.0, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0, enabled=False)
+
+
+def test_several_checks_in_one_step_count_one_step() -> None:
+    scaler = GradScaler(init_scale=1024.0, growth_interval=2)
+    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True
+    assert scaler.unscale_and_check([np.array([np.nan], np.float32)]) is False
+    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True
+    scaler.update()
+    assert scaler.had_overflow() is True
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+
+
+def test_scripted_trajectory() -> None:
+    scaler = GradScaler(
+        init_scale=256.0,
+        growth_factor=2.0,
+        backoff_factor=0.5,
+        growth_interval=2,
+        min_scale=64.0,
+        max_scale=1024.0,
+        hysteresis=2,
+    )
+    # (overflow, scale, good, hysteresis, steps, skipped, growths, backoffs)
+    table = [
+        (False, 256.0, 1, 2, 1, 0, 0, 0),
+        (False, 512.0, 0, 2, 2, 0, 1, 0),
+        (False, 512.0, 1, 2, 3, 0, 1, 0),
+        (False, 1024.0, 0, 2, 4, 0, 2, 0),
+        (False, 1024.0, 1, 2, 5, 0, 2, 0),
+        (False, 1024.0, 0, 2, 6, 0, 2, 0),
+        (True, 1024.0, 0, 1, 7, 1, 2, 0),
+        (False, 1024.0, 1, 1, 8, 1, 2, 0),
+        (True, 512.0, 0, 0, 9, 2, 2, 1),
+        (True, 256.0, 0, 0, 10, 3, 2, 2),
+        (True, 128.0, 0, 0, 11, 4, 2, 3),
+        (True, 64.0, 0, 0, 12, 5, 2, 4),
+        (True, 64.0, 0, 0, 13, 6, 2, 4),
+        (False, 64.0, 1, 0, 14, 6, 2, 4),
+        (False, 128.0, 0, 2, 15, 6, 3, 4),
+        (True, 128.0, 0, 1, 16, 7, 3, 4),
+    ]
+    for overflow, scale, good, hysteresis, steps, skipped, growths, backoffs in table:
+        step(scaler, overflow)
+        expect(
+            scaler,
+            scale=scale,
+            good=good,
+            hysteresis=hysteresis,
+            steps=steps,
+            skipped=skipped,
+            growths=growths,
+            backoffs=backoffs,
+        )
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 5])
+def test_long_clean_run_counts_growths(hysteresis: int) -> None:
+    scaler = GradScaler(init_scale=1.0, growth_interval=3, hysteresis=hysteresis, max_scale=None)
+    for n in range(1, 31):
+        step(scaler, False)
+        grown = n // 3
+        expect(
+            scaler,
+            scale=2.0**grown,
+            good=n % 3,
+            hysteresis=hysteresis,
+            steps=n,
+            skipped=0,
+            growths=grown,
+            backoffs=0,
+        )
