@@ -16,6 +16,7 @@ from cupy_amp.errors import (
     KernelSourceNotFoundError,
     ScalerProtocolError,
 )
+from cupy_amp.gradients import GradientSet
 from cupy_amp.scaler import GradScaler
 from cupy_amp.stats import GradScalerStats
 
@@ -33,6 +34,7 @@ __all__ = [
     "GradScaler",
     "GradScalerCheckpoint",
     "GradScalerStats",
+    "GradientSet",
     "GradientTypeError",
     "GradientValueError",
     "KernelSourceNotFoundError",

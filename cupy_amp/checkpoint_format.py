@@ -8,8 +8,9 @@ A file is one msgpack map with exactly four entries, always in this order::
     "crc32"   -> CRC-32 of every byte before this value, as a msgpack uint32
 
 so the file always ends with ``0xCE`` and the four big-endian bytes of the
-CRC-32. The envelope (the first two keys and the trailing checksum) is the
-same in every format version; only the payload's fields may change, through
+CRC-32. This envelope is the same in every format version, so any version can
+be recognised and its checksum verified; only the payload's fields may change
+from one version to the next, older ones being upgraded through
 :data:`_MIGRATIONS`. Decoding reads only msgpack (no pickle, no imports or
 code driven by the content), refuses anything over :data:`MAX_CHECKPOINT_BYTES`
 before parsing it, keeps msgpack's length limits small so a short file cannot
@@ -181,9 +182,10 @@ def decode_fields(
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ArgumentTypeError(f"Expected the checkpoint as bytes, got {type(data).__name__}.")
     where = describe_source(source)
+    size = data.nbytes if isinstance(data, memoryview) else len(data)
+    if size > MAX_CHECKPOINT_BYTES:
+        raise CheckpointCorruptError(f"{where}: {_too_large(f'{size} bytes')}")
     data = bytes(data)
-    if len(data) > MAX_CHECKPOINT_BYTES:
-        raise CheckpointCorruptError(f"{where}: {_too_large(f'{len(data)} bytes')}")
     try:
         fields, version = _parse(data)
     except _Malformed as exc:
@@ -324,11 +326,10 @@ def _parse(data: bytes) -> tuple[dict[str, object], int]:
             raise _NotAScalar(name, _describe(value))
 
     _read_key(unpacker, "crc32")
+    # _check_crc found 0xCE and four bytes at the end: a value starting exactly
+    # there is that uint32, and nothing can follow it.
     if unpacker.tell() != len(data) - _TRAILER_BYTES:
-        raise _Malformed("the CRC-32 is not the last entry of the document.")
-    _unpack_next(unpacker, "the 'crc32' value")
-    if False:
-        raise _Malformed("unexpected bytes after the document.")
+        raise _Malformed("unexpected bytes between the 'crc32' key and the CRC-32 at the end of the file.")
     return payload, version
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from cupy_amp.kernel_sources import NVRTC_OPTIONS, read_kernel_source
 
 __all__ = [
-    "CHUNK_SIZE",
+    "CHUNK_BYTES",
     "THREADS_PER_BLOCK",
     "DeviceTable",
     "build_device_table",
@@ -33,13 +33,13 @@ __all__ = [
 
 # Launch shape (tuned on an H200: see BENCHMARKS.md). The kernels receive the
 # thread count and register budget through -D options, so both sides agree.
-CHUNK_SIZE = 65536
+CHUNK_BYTES = 65536
 THREADS_PER_BLOCK = 512
 MIN_BLOCKS_PER_SM = 1
 UNROLL = 4
 # 0: one block per chunk; N: a persistent grid of N blocks per multiprocessor looping over chunks.
 GRID_BLOCKS_PER_SM = 0
-_DESC_WORDS = 4
+_CHUNK_WORDS = 4
 _MAX_GRID = 2**31 - 1
 _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 
@@ -96,62 +96,74 @@ def dense_base(array: cupy.ndarray) -> int | None:
     return low
 
 
+def chunk_elements(itemsize: int) -> int:
+    """Return how many elements of this size make one chunk (one block's unit of work)."""
+    return CHUNK_BYTES // itemsize
+
+
 @dataclass
 class DeviceTable:
     """Device-resident description of the tensors of one (device, dtype) launch.
 
-    The tables are a pure function of the arrays' addresses, shapes, strides
-    and dtype, so a cached table stays right for any arrays with that key,
-    even new ones allocated where freed ones were; it therefore keeps no
-    reference to the arrays (which would pin old gradients in memory when a
-    training loop allocates fresh gradient arrays every step).
+    One 32-byte record per chunk (see kernels/cupy_amp_common.cuh), then the
+    per-tensor layout offsets and the extents/strides of strided tensors, all
+    in one int64 buffer. The tables are a pure function of the arrays'
+    addresses, shapes, strides and dtype, so a cached table stays right for
+    any arrays with that key, even new ones allocated where freed ones were; it
+    therefore keeps no reference to the arrays (which would pin old gradients
+    in memory when a training loop allocates fresh gradient arrays every step).
     """
 
     dtype_name: str
-    chunks: int
-    desc: Any
-    chunk_first: Any
-    chunk_tensor: Any
+    chunk_count: int
+    chunks: Any
+    layout_offsets: Any
     layout: Any
     tensor_found: Any
 
 
-def _describe(arrays: Sequence[cupy.ndarray]) -> tuple[np.ndarray, list[int], np.ndarray]:
-    rows = np.zeros((len(arrays), _DESC_WORDS), dtype=np.int64)
+def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> DeviceTable:
+    """Describe ``arrays`` (same device and dtype) in device tables, with one host-to-device copy."""
+    count = len(arrays)
+    bases = np.empty(count, dtype=np.int64)
+    sizes = np.empty(count, dtype=np.int64)
+    ndims = np.zeros(count, dtype=np.int64)
+    layout_offsets = np.zeros(count, dtype=np.int64)
     layout: list[int] = []
-    sizes = np.empty(len(arrays), dtype=np.int64)
     for index, array in enumerate(arrays):
         sizes[index] = array.size
         base = dense_base(array)
-        if base is not None:
-            rows[index] = (base, array.size, 0, 0)
-        else:
-            rows[index] = (int(array.data.ptr), array.size, array.ndim, len(layout))
+        if base is None:
+            bases[index], ndims[index], layout_offsets[index] = int(array.data.ptr), array.ndim, len(layout)
             layout += list(array.shape)
             layout += [stride // array.itemsize for stride in array.strides]
-    return rows, layout, sizes
+        else:
+            bases[index] = base
+    itemsize = arrays[0].itemsize if count else 1
+    per_chunk = chunk_elements(itemsize)
+    counts = -(-sizes // per_chunk)
+    chunk_count = int(counts.sum())
+    tensor = np.repeat(np.arange(count, dtype=np.int64), counts)
+    first = (np.arange(chunk_count, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * per_chunk
+    last = np.minimum(first + per_chunk, sizes[tensor])
+    dense = ndims[tensor] == 0
+    records = np.empty((chunk_count, _CHUNK_WORDS), dtype=np.int64)
+    records[:, 0] = np.where(dense, bases[tensor] + first * itemsize, bases[tensor])
+    records[:, 1] = np.where(dense, 0, first)
+    records[:, 2] = np.where(dense, last - first, last)
+    records[:, 3] = tensor | (ndims[tensor] << 32)
 
-
-def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> DeviceTable:
-    """Describe ``arrays`` (same device and dtype) in device tables, with one host-to-device copy."""
-    rows, layout, sizes = _describe(arrays)
-    counts = -(-sizes // CHUNK_SIZE)
-    chunks = int(counts.sum())
-    starts = np.repeat(np.cumsum(counts) - counts, counts)
-    chunk_first = (np.arange(chunks, dtype=np.int64) - starts) * CHUNK_SIZE
-    chunk_tensor = np.repeat(np.arange(len(arrays), dtype=np.int64), counts)
-    host = np.concatenate([rows.ravel(), chunk_first, chunk_tensor, np.asarray(layout or [0], dtype=np.int64)])
+    host = np.concatenate([records.ravel(), layout_offsets, np.asarray(layout or [0], dtype=np.int64)])
     device = cupy.empty(host.size, dtype=np.int64)
     device.set(host, stream=cupy.cuda.get_current_stream())
-    n_desc = rows.size
+    n_records = records.size
     return DeviceTable(
         dtype_name=dtype_name,
-        chunks=chunks,
-        desc=device[:n_desc],
-        chunk_first=device[n_desc : n_desc + chunks],
-        chunk_tensor=device[n_desc + chunks : n_desc + 2 * chunks],
-        layout=device[n_desc + 2 * chunks :],
-        tensor_found=cupy.zeros(len(arrays), dtype=np.int32),
+        chunk_count=chunk_count,
+        chunks=device[:n_records],
+        layout_offsets=device[n_records : n_records + count],
+        layout=device[n_records + count :],
+        tensor_found=cupy.zeros(count, dtype=np.int32),
     )
 
 
@@ -171,19 +183,17 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
 
     Sets ``found[0]`` and ``table.tensor_found[i]`` to ``epoch`` where inf/nan was seen.
     """
-    if table.chunks == 0:
+    if table.chunk_count == 0:
         return
     kernel = _function("unscale_check.cu", f"cupy_amp_unscale_check_{table.dtype_name}")
     kernel(
-        (_grid(table.chunks),),
+        (_grid(table.chunk_count),),
         (THREADS_PER_BLOCK,),
         (
-            table.desc,
-            table.chunk_first,
-            table.chunk_tensor,
+            table.chunks,
+            table.layout_offsets,
             table.layout,
-            np.int64(table.chunks),
-            np.int64(CHUNK_SIZE),
+            np.int64(table.chunk_count),
             np.float32(inv_scale),
             np.int32(epoch),
             found,
@@ -205,16 +215,16 @@ def launch_scale_loss(loss: cupy.ndarray, dtype_name: str, scale: np.float32) ->
         layout = cupy.empty(host_layout.size, dtype=np.int64)
         layout.set(host_layout, stream=cupy.cuda.get_current_stream())
     kernel = _function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}")
-    blocks = min(-(-loss.size // CHUNK_SIZE), _MAX_GRID)
+    per_chunk = chunk_elements(loss.itemsize)
     kernel(
-        (blocks,),
+        (min(-(-loss.size // per_chunk), _MAX_GRID),),
         (THREADS_PER_BLOCK,),
         (
             np.uint64(base),
             np.int64(loss.size),
             np.int32(ndim),
             layout if layout is not None else np.uint64(0),
-            np.int64(CHUNK_SIZE),
+            np.int64(per_chunk),
             np.float32(scale),
         ),
     )

@@ -9,6 +9,7 @@ of the per-gradient flags).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import threading
@@ -148,7 +149,7 @@ class CupyBackend:
 
     def scale_in_place(self, loss: Any, scale: np.float32) -> None:
         dtype_name = self._kernels.kernel_dtype_name(loss.dtype)
-        with loss.device:
+        with _on_device(loss.device.id):
             self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
 
     def prepare(self, arrays: Sequence[Any]) -> CupyUnscalePlan:
@@ -174,7 +175,7 @@ class CupyBackend:
         factor = np.float32(inv_scale)
         devices: list[int] = []
         for group in plan.groups:
-            with cupy.cuda.Device(group.device_id):
+            with _on_device(group.device_id):
                 self._kernels.launch_unscale_check(group.table, factor, epoch, self._flag_slot(group.device_id).device)
             if group.device_id not in devices:
                 devices.append(group.device_id)
@@ -182,7 +183,7 @@ class CupyBackend:
         overflow = False
         culprits: list[int] = []
         for device_id in devices:
-            with cupy.cuda.Device(device_id):
+            with _on_device(device_id):
                 stream = cupy.cuda.get_current_stream()
                 if self._flag_slot(device_id).read(stream) != epoch:
                     continue
@@ -213,6 +214,13 @@ class CupyBackend:
             while len(self._tables) > _TABLE_CACHE_SIZE:
                 self._tables.popitem(last=False)
         return table
+
+
+def _on_device(device_id: int) -> Any:
+    """Make ``device_id`` current for a block; free when it already is (the usual case)."""
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    return cupy.cuda.Device(device_id)
 
 
 @functools.cache

@@ -16,9 +16,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from cupy_amp.array_backend import ArrayBackend, UnscalePlan
-from cupy_amp.gradients import GradientBatch
+from cupy_amp.gradients import GradientBatch, GradientSet
 
 __all__ = ["PreparedCall", "PreparedCallCache"]
+
+
+# Marks a prepared call made for a GradientSet (its one reference is to the set itself).
+_SET_KEY = ("<GradientSet>",)
 
 
 def _none_ref() -> None:
@@ -54,6 +58,8 @@ class PreparedCallCache:
 
     def lookup(self, gradients: Any) -> tuple[PreparedCall, tuple[Any, ...]] | None:
         """Return the prepared call and its arrays if ``gradients`` was seen before, else None."""
+        if type(gradients) is GradientSet:
+            return self._lookup_set(gradients)
         split = _split(gradients)
         if split is None:
             return None
@@ -70,8 +76,23 @@ class PreparedCallCache:
             return prepared, arrays
         return None
 
+    def _lookup_set(self, gradients: GradientSet) -> tuple[PreparedCall, tuple[Any, ...]] | None:
+        # A GradientSet is immutable: the same object means the same arrays, checked in O(1).
+        arrays = gradients.batch.arrays
+        for index, prepared in enumerate(self._calls):
+            if prepared.refs[0]() is gradients and prepared.keys == _SET_KEY:
+                if not prepared.plan.still_valid(arrays):
+                    del self._calls[index]
+                    return None
+                return prepared, arrays
+        return None
+
     def store(self, gradients: Any, batch: GradientBatch, plan: UnscalePlan) -> PreparedCall | None:
         """Remember a freshly validated call, when its argument can be recognised later."""
+        if type(gradients) is GradientSet and batch.native and batch.backend is not None:
+            prepared = PreparedCall(batch.labels, batch.backend, plan, _SET_KEY, (weakref.ref(gradients),), 0, [True])
+            self._remember(prepared)
+            return prepared
         split = _split(gradients)
         if split is None or not batch.native or batch.backend is None:
             return None  # a wrapped foreign array may change its memory behind the same object
@@ -90,9 +111,12 @@ class PreparedCallCache:
             none_count=sum(v is None for v in values),
             alive=alive,
         )
+        self._remember(prepared)
+        return prepared
+
+    def _remember(self, prepared: PreparedCall) -> None:
         self._calls.insert(0, prepared)
         del self._calls[self._capacity :]
-        return prepared
 
     def clear(self) -> None:
         """Forget every prepared call."""

@@ -6,14 +6,14 @@ array is touched, so a rejected call leaves every array as it was.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cupy_amp.array_backend import ArrayBackend, backend_for
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
 
-__all__ = ["GradientBatch", "check_disjoint", "collect_gradients", "collect_loss", "describe"]
+__all__ = ["GradientBatch", "GradientSet", "check_disjoint", "collect_gradients", "collect_loss", "describe"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,53 @@ class _Claim:
     call: int
     label: Hashable
     array: Any
+
+
+class GradientSet:
+    """A fixed, validated collection of gradient arrays, recognised in O(1) every step.
+
+    ``unscale_and_check`` accepts plain lists, tuples and dicts and recognises
+    them when the same arrays come back (a scan over the entries). Wrapping the
+    gradients once in a ``GradientSet`` (a list, tuple or mapping name -> array;
+    ``None`` entries allowed) removes even that scan: the set is immutable, so
+    passing the same set again needs no per-gradient work on the host. Useful
+    with thousands of gradient arrays that live as long as the model.
+
+    The set holds its arrays; it is validated on construction with the same
+    rules as ``unscale_and_check``.
+    """
+
+    __slots__ = ("__weakref__", "_batch", "_keys", "_values")
+
+    def __init__(self, gradients: Any) -> None:
+        if isinstance(gradients, Mapping):
+            self._keys: tuple[Hashable, ...] | None = tuple(gradients)
+            self._values: tuple[Any, ...] = tuple(gradients.values())
+        else:
+            self._keys = None
+            self._values = tuple(value for _, value in _entries(gradients))
+        self._batch = collect_gradients(self)
+        check_disjoint([self._batch])
+
+    @property
+    def batch(self) -> GradientBatch:
+        """The validated arrays and their labels."""
+        return self._batch
+
+    def entries(self) -> list[tuple[Hashable, Any]]:
+        """Return (position or name, array or None) pairs, in order."""
+        labels = self._keys if self._keys is not None else range(len(self._values))
+        return list(zip(labels, self._values))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def __repr__(self) -> str:
+        kind = "names" if self._keys is not None else "positions"
+        return f"GradientSet({len(self._values)} entries by {kind}, {len(self._batch.arrays)} arrays)"
 
 
 def describe(label: Hashable) -> str:
@@ -163,6 +210,8 @@ def _raise_if_shared(backend: ArrayBackend, first: _Claim, second: _Claim, new_c
 
 
 def _entries(gradients: Any) -> Iterable[tuple[Hashable, Any]]:
+    if isinstance(gradients, GradientSet):
+        return gradients.entries()
     if isinstance(gradients, Mapping):
         return list(gradients.items())
     if isinstance(gradients, (str, bytes)) or _is_single_array(gradients):

@@ -13,7 +13,7 @@ from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradient_cache import PreparedCallCache
-from cupy_amp.gradients import GradientBatch, check_disjoint, collect_gradients, collect_loss
+from cupy_amp.gradients import GradientBatch, GradientSet, check_disjoint, collect_gradients, collect_loss
 from cupy_amp.stats import GradScalerStats
 from cupy_amp.update_rule import ScalerState, inverse_scale, next_state
 from cupy_amp.validation import expect_bool, expect_float32
@@ -167,8 +167,11 @@ class GradScaler:
             batch = GradientBatch(prepared.labels, arrays, prepared.backend)
             plan: UnscalePlan | None = prepared.plan
         else:
-            batch = collect_gradients(gradients)
-            check_disjoint([batch])
+            if isinstance(gradients, GradientSet):
+                batch = gradients.batch
+            else:
+                batch = collect_gradients(gradients)
+                check_disjoint([batch])
             plan = batch.backend.prepare(batch.arrays) if batch.backend is not None and batch.arrays else None
             if plan is not None:
                 self._prepared.store(gradients, batch, plan)

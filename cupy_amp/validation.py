@@ -90,7 +90,8 @@ def expect_float32(error: type[Exception], name: str, value: object, *, allow_ze
     if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
         raise invalid(error, name, expected, value)
     as_float = _as_float(value)
-    if not math.isfinite(as_float) or as_float < 0 or (as_float == 0 and not allow_zero):
+    negative = math.copysign(1.0, as_float) < 0  # -0.0 too: its inverse would be -inf
+    if not math.isfinite(as_float) or negative or (as_float == 0 and not allow_zero):
         raise invalid(error, name, expected, value)
     with np.errstate(over="ignore", under="ignore"):
         rounded = float(np.float32(as_float))

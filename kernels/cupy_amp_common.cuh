@@ -24,12 +24,12 @@ typedef unsigned short cupy_amp_u16;
 typedef unsigned int cupy_amp_u32;
 typedef unsigned long long cupy_amp_u64;
 
-// Layout of one tensor descriptor: four int64 per tensor.
-#define CUPY_AMP_DESC_PTR 0     // address of the lowest element (dense) or of element [0, ..., 0] (strided)
-#define CUPY_AMP_DESC_NUMEL 1   // number of elements
-#define CUPY_AMP_DESC_NDIM 2    // 0 for a dense tensor, walked as flat memory; else the number of dims
-#define CUPY_AMP_DESC_LAYOUT 3  // strided tensors: offset into the layout table (shape then strides, in elements)
-#define CUPY_AMP_DESC_WORDS 4
+// One chunk record: four int64 per chunk of the multi-tensor table.
+#define CUPY_AMP_CHUNK_ADDRESS 0  // dense: address of the chunk's first element; strided: of element [0, ..., 0]
+#define CUPY_AMP_CHUNK_FIRST 1    // dense: 0; strided: first element (C order) of the chunk
+#define CUPY_AMP_CHUNK_LAST 2     // one past the chunk's last element (dense: its element count)
+#define CUPY_AMP_CHUNK_META 3     // tensor index | ndim << 32 (ndim 0: dense, walked as flat memory)
+#define CUPY_AMP_CHUNK_WORDS 4
 #define CUPY_AMP_MAX_NDIM 64
 
 __device__ __forceinline__ float cupy_amp_mul_f32(float a, float b) {
@@ -50,8 +50,35 @@ __device__ __forceinline__ cupy_amp_u16 cupy_amp_f32_to_f16(float f) {
     return h;
 }
 
+// Each type also handles a 16-byte vector (uint4) at once: vector_nonfinite
+// tests its lanes on the bits; multiply_finite is the product when neither the
+// lanes nor the factor are inf/nan, so no NaN can come out and the NaN rules
+// above need not be checked.
 struct CupyAmpHalf {
     typedef cupy_amp_u16 bits;
+    static __device__ __forceinline__ bool word_nonfinite(cupy_amp_u32 w) {
+        return ((w & 0x7c00u) == 0x7c00u) | ((w & 0x7c000000u) == 0x7c000000u);
+    }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return word_nonfinite(v.x) | word_nonfinite(v.y) | word_nonfinite(v.z) | word_nonfinite(v.w);
+    }
+    static __device__ __forceinline__ cupy_amp_u32 pair_multiply_finite(cupy_amp_u32 w, float factor) {
+        float low = cupy_amp_mul_f32(cupy_amp_f16_to_f32((cupy_amp_u16)(w & 0xffffu)), factor);
+        float high = cupy_amp_mul_f32(cupy_amp_f16_to_f32((cupy_amp_u16)(w >> 16)), factor);
+#if __CUDA_ARCH__ >= 800
+        cupy_amp_u32 packed;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+        return packed;
+#else
+        return (cupy_amp_u32)cupy_amp_f32_to_f16(low) | ((cupy_amp_u32)cupy_amp_f32_to_f16(high) << 16);
+#endif
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        v.x = pair_multiply_finite(v.x, factor);
+        v.y = pair_multiply_finite(v.y, factor);
+        v.z = pair_multiply_finite(v.z, factor);
+        v.w = pair_multiply_finite(v.w, factor);
+    }
     static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7c00u) == 0x7c00u; }
     static __device__ __forceinline__ bits multiply(bits x, float factor) {
         if ((x & 0x7fffu) > 0x7c00u) return (bits)(x | 0x0200u);
@@ -63,6 +90,18 @@ struct CupyAmpHalf {
 
 struct CupyAmpSingle {
     typedef cupy_amp_u32 bits;
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return nonfinite(v.x) | nonfinite(v.y) | nonfinite(v.z) | nonfinite(v.w);
+    }
+    static __device__ __forceinline__ cupy_amp_u32 lane_multiply_finite(cupy_amp_u32 w, float factor) {
+        return __float_as_uint(cupy_amp_mul_f32(__uint_as_float(w), factor));
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        v.x = lane_multiply_finite(v.x, factor);
+        v.y = lane_multiply_finite(v.y, factor);
+        v.z = lane_multiply_finite(v.z, factor);
+        v.w = lane_multiply_finite(v.w, factor);
+    }
     static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7f800000u) == 0x7f800000u; }
     static __device__ __forceinline__ bits multiply(bits x, float factor) {
         if ((x & 0x7fffffffu) > 0x7f800000u) return x | 0x00400000u;
@@ -74,6 +113,21 @@ struct CupyAmpSingle {
 
 struct CupyAmpDouble {
     typedef cupy_amp_u64 bits;
+    static __device__ __forceinline__ cupy_amp_u64 join(cupy_amp_u32 low, cupy_amp_u32 high) {
+        return (cupy_amp_u64)low | ((cupy_amp_u64)high << 32);
+    }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return nonfinite(join(v.x, v.y)) | nonfinite(join(v.z, v.w));
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        double a = __dmul_rn(__longlong_as_double((long long)join(v.x, v.y)), (double)factor);
+        double b = __dmul_rn(__longlong_as_double((long long)join(v.z, v.w)), (double)factor);
+        cupy_amp_u64 ra = (cupy_amp_u64)__double_as_longlong(a), rb = (cupy_amp_u64)__double_as_longlong(b);
+        v.x = (cupy_amp_u32)ra;
+        v.y = (cupy_amp_u32)(ra >> 32);
+        v.z = (cupy_amp_u32)rb;
+        v.w = (cupy_amp_u32)(rb >> 32);
+    }
     static __device__ __forceinline__ bool nonfinite(bits x) {
         return (x & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
     }
@@ -111,6 +165,7 @@ __device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long lo
         bad |= cupy_amp_apply<Type>(data + i, factor);
     }
 
+    const bool finite_factor = (__float_as_uint(factor) & 0x7f800000u) != 0x7f800000u;
     union Vector {
         uint4 raw;
         bits lanes[vec];
@@ -128,12 +183,16 @@ __device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long lo
         for (int k = 0; k < unroll; ++k) {
             long long index = v + (long long)k * blockDim.x;
             if (index < vectors) {
+                bool vector_bad = Type::vector_nonfinite(loaded[k].raw);
+                if (!vector_bad && finite_factor) {
+                    Type::multiply_finite(loaded[k].raw, factor);
+                } else {
 #pragma unroll
-                for (int lane = 0; lane < vec; ++lane) {
-                    bits x = loaded[k].lanes[lane];
-                    bad |= Type::nonfinite(x);
-                    loaded[k].lanes[lane] = Type::multiply(x, factor);
+                    for (int lane = 0; lane < vec; ++lane) {
+                        loaded[k].lanes[lane] = Type::multiply(loaded[k].lanes[lane], factor);
+                    }
                 }
+                bad |= vector_bad;
                 body[index].raw = loaded[k].raw;
             }
         }
@@ -167,19 +226,16 @@ __device__ bool cupy_amp_apply_strided(
     return bad;
 }
 
-// Elements [first, last) of tensor `desc`, whichever its layout. Must be
-// reached by every thread of the block (it synchronizes).
+// Elements [first, last) of one tensor, whichever its layout: `ndim` 0 means
+// dense memory starting at `base`; otherwise `layout` holds its extents then
+// strides. Must be reached by every thread of the block (it synchronizes).
 template <class Type>
 __device__ bool cupy_amp_apply_range(
-    const long long* desc, const long long* layout, long long first, long long last, float factor) {
+    cupy_amp_u64 base, int ndim, const long long* layout, long long first, long long last, float factor) {
     __shared__ long long staged_layout[2 * CUPY_AMP_MAX_NDIM];
-    int ndim = (int)desc[CUPY_AMP_DESC_NDIM];
-    cupy_amp_u64 base = (cupy_amp_u64)desc[CUPY_AMP_DESC_PTR];
     if (ndim == 0) return cupy_amp_apply_dense<Type>(base, first, last, factor);
-
-    const long long* source = layout + desc[CUPY_AMP_DESC_LAYOUT];
     __syncthreads();  // the previous chunk may still be reading staged_layout
-    for (int k = threadIdx.x; k < 2 * ndim; k += blockDim.x) staged_layout[k] = source[k];
+    for (int k = threadIdx.x; k < 2 * ndim; k += blockDim.x) staged_layout[k] = layout[k];
     __syncthreads();
     return cupy_amp_apply_strided<Type>(base, ndim, staged_layout, first, last, factor);
 }

@@ -7,10 +7,9 @@
 template <class Type>
 __device__ void cupy_amp_scale_loss(
     cupy_amp_u64 base, long long numel, int ndim, const long long* layout, long long chunk_size, float scale) {
-    const long long desc[CUPY_AMP_DESC_WORDS] = {(long long)base, numel, ndim, 0};
     for (long long first = (long long)blockIdx.x * chunk_size; first < numel; first += (long long)gridDim.x * chunk_size) {
         long long last = first + chunk_size < numel ? first + chunk_size : numel;
-        cupy_amp_apply_range<Type>(desc, layout, first, last, scale);
+        cupy_amp_apply_range<Type>(base, ndim, layout, first, last, scale);
     }
 }
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from cupy_amp import GradScaler
-from cupy_amp.cuda_kernels import CHUNK_SIZE
+from cupy_amp.cuda_kernels import chunk_elements
 
 cupy = pytest.importorskip("cupy")
 
@@ -53,7 +53,10 @@ def assert_same_bits(host: list[np.ndarray], device: list[object]) -> None:
         assert np.array_equal(bits(got), bits(h)), f"gradient {index} differs"
 
 
-SIZES = [1, 2, 3, 7, 8, 9, 15, 16, 17, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 3 * CHUNK_SIZE + 5, 1_000_003]
+# Chunk lengths differ per dtype (a chunk is a fixed number of bytes): straddle each.
+CHUNK_SIZE = chunk_elements(4)
+CHUNK_EDGES = sorted({chunk_elements(size) + delta for size in (2, 4, 8) for delta in (-1, 0, 1)})
+SIZES = [1, 2, 3, 7, 8, 9, 15, 16, 17, *CHUNK_EDGES, 3 * CHUNK_SIZE + 5, 1_000_003]
 
 
 @pytest.mark.parametrize("seed", range(6))

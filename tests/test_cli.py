@@ -1,0 +1,241 @@
+"""The cupy-amp command line: inspect and validate."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION
+from cupy_amp.cli import main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+GOLDEN_V1 = Path(__file__).parent / "data" / "grad_scaler_v1.ckpt"
+FIELD_NAMES = list(GradScalerCheckpoint.load(GOLDEN_V1).to_dict())
+
+
+def make(**changes: Any) -> GradScalerCheckpoint:
+    fields: dict[str, Any] = {
+        "scale": 98304.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "consecutive_good_steps": 17,
+        "found_overflow": False,
+        "enabled": True,
+        "min_scale": 1.0,
+        "max_scale": 2.0**24,
+        "hysteresis": 1,
+        "hysteresis_tracker": 1,
+        "steps": 100,
+        "skipped_steps": 3,
+        "growths": 0,
+        "backoffs": 2,
+        **changes,
+    }
+    return GradScalerCheckpoint(**fields)
+
+
+@pytest.fixture
+def good(tmp_path: Path) -> Path:
+    path = tmp_path / "good.ckpt"
+    make().save(path)
+    return path
+
+
+@pytest.fixture
+def corrupt(tmp_path: Path) -> Path:
+    path = tmp_path / "corrupt.ckpt"
+    path.write_bytes(GOLDEN_V1.read_bytes()[:-1])
+    return path
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the console script's entry point in a fresh interpreter, as the installed `cupy-amp` would."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-c", "from cupy_amp.cli import main; raise SystemExit(main())", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
+
+
+# inspect
+
+
+def test_inspect_prints_one_aligned_line_per_field(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(good)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    lines = captured.out.splitlines()
+    names = [line.split(":", 1)[0] for line in lines]
+    assert names == ["file", "format", *FIELD_NAMES]
+    value_columns = {len(line) - len(line.split(":", 1)[1].lstrip()) for line in lines}
+    assert len(value_columns) == 1, "values are not aligned"
+    values = {name: line.split(":", 1)[1].strip() for name, line in zip(names, lines, strict=True)}
+    assert values["file"] == str(good)
+    assert values["format"] == f"{FORMAT_NAME} version {FORMAT_VERSION}"
+    assert values["scale"] == "98304 (1.5 * 2**16)"
+    assert values["max_scale"] == "16777216 (2**24)"
+    assert values["min_scale"] == "1 (2**0)"
+    assert values["backoff_factor"] == "0.5"
+    assert values["found_overflow"] == "False"
+    assert values["consecutive_good_steps"] == "17"
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "shown"),
+    [
+        ({"scale": 0.0, "min_scale": None}, "scale", "0"),
+        ({"scale": 2.0**-149, "min_scale": None}, "scale", "1.401298464324817e-45 (2**-149)"),
+        ({"scale": 65536.0}, "scale", "65536 (2**16)"),
+        ({"scale": 1.2345600128173828}, "scale", "1.2345600128173828"),
+        ({"min_scale": None}, "min_scale", "None (no floor)"),
+        ({"max_scale": None}, "max_scale", "None (no ceiling)"),
+    ],
+)
+def test_inspect_shows_scales_readably_and_exactly(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, object], field: str, shown: str
+) -> None:
+    path = tmp_path / "scaler.ckpt"
+    make(**changes).save(path)
+    assert main(["inspect", str(path)]) == 0
+    lines = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
+    assert lines[field] == shown
+
+
+def test_inspect_json_round_trips_every_field_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = make(scale=2.0**-149, min_scale=None, max_scale=None, backoff_factor=0.8, steps=2**64 - 1)
+    path = tmp_path / "scaler.ckpt"
+    checkpoint.save(path)
+    assert main(["inspect", "--json", str(path)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["format"] == FORMAT_NAME
+    assert document["version"] == FORMAT_VERSION
+    assert list(document["fields"]) == FIELD_NAMES
+    assert document["fields"] == checkpoint.to_dict()
+    assert GradScalerCheckpoint.from_dict(document["fields"]) == checkpoint
+
+
+def test_inspect_json_flag_may_come_first(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--json", str(good)]) == main(["inspect", str(good), "--json"]) == 0
+    first, second = capsys.readouterr().out.split("}\n{")
+    assert json.loads(first + "}") == json.loads("{" + second)
+
+
+def test_inspect_missing_file_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "absent.ckpt"
+    assert main(["inspect", str(missing)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == f"cupy-amp inspect: checkpoint {str(missing)!r}: cannot read: No such file or directory.\n"
+
+
+def test_inspect_corrupt_file_says_why(corrupt: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--json", str(corrupt)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert str(corrupt) in captured.err
+    assert "truncated or damaged" in captured.err
+    assert len(captured.err.splitlines()) == 1
+
+
+# validate
+
+
+def test_validate_good_files(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(good), str(GOLDEN_V1)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"OK  {good}", f"OK  {GOLDEN_V1}"]
+    assert captured.err == ""
+
+
+def test_validate_reports_each_bad_file_on_stderr(
+    tmp_path: Path, good: Path, corrupt: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "absent.ckpt"
+    future = tmp_path / "future.ckpt"
+    future.write_bytes(_future_version(GOLDEN_V1.read_bytes()))
+    invalid = tmp_path / "invalid.ckpt"
+    invalid.write_bytes(_with_growths_true())
+    assert main(["validate", str(good), str(corrupt), str(missing), str(future), str(invalid), str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [f"OK  {good}"]
+    errors = captured.err.splitlines()
+    assert len(errors) == 5
+    assert errors[0].startswith(f"FAIL  checkpoint {str(corrupt)!r}: ")
+    assert "truncated or damaged" in errors[0]
+    assert errors[1] == f"FAIL  checkpoint {str(missing)!r}: cannot read: No such file or directory."
+    assert "upgrade cupy-amp" in errors[2]
+    assert "Invalid 'growths'" in errors[3]
+    assert errors[4].startswith(f"FAIL  checkpoint {str(tmp_path)!r}: cannot read: ")
+
+
+def test_validate_without_files_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate"]) == 2
+    assert "usage: cupy-amp validate" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [[], ["frobnicate"], ["inspect"], ["inspect", "a", "b"], ["--bogus"]])
+def test_usage_errors_exit_with_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: cupy-amp" in captured.err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["-h"], ["inspect", "--help"], ["validate", "--help"]])
+def test_help_exits_with_0(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: cupy-amp")
+
+
+def test_help_lists_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    main(["--help"])
+    out = capsys.readouterr().out
+    assert "inspect" in out
+    assert "validate" in out
+
+
+# In a fresh interpreter, as the console script runs
+
+
+def test_script_validate_exit_codes_and_streams(good: Path, corrupt: Path, tmp_path: Path) -> None:
+    ok = run_cli("validate", str(good))
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, f"OK  {good}\n", "")
+    bad = run_cli("validate", str(good), str(corrupt), str(tmp_path / "absent.ckpt"))
+    assert bad.returncode == 1
+    assert bad.stdout == f"OK  {good}\n"
+    assert len(bad.stderr.splitlines()) == 2
+    assert "Traceback" not in bad.stderr
+    usage = run_cli("validate")
+    assert usage.returncode == 2
+    assert "Traceback" not in usage.stderr
+
+
+def test_script_inspect_json_and_missing_file(good: Path, tmp_path: Path) -> None:
+    shown = run_cli("inspect", "--json", str(good))
+    assert shown.returncode == 0
+    assert GradScalerCheckpoint.from_dict(json.loads(shown.stdout)["fields"]) == make()
+    missing = run_cli("inspect", str(tmp_path / "absent.ckpt"))
+    assert missing.returncode == 1
+    assert missing.stdout == ""
+    assert "Traceback" not in missing.stderr
+    assert "No such file or directory" in missing.stderr
+
+
+def _future_version(data: bytes) -> bytes:
+    body = data[:-5].replace(b"\xa7version\x01", b"\xa7version\x02", 1)
+    return body + b"\xce" + zlib.crc32(body).to_bytes(4, "big")
+
+
+def _with_growths_true() -> bytes:
+    data = GOLDEN_V1.read_bytes()
+    body = data[:-5].replace(b"\xa7growths\x28", b"\xa7growths\xc3", 1)
+    assert body != data[:-5]
+    return body + b"\xce" + zlib.crc32(body).to_bytes(4, "big")
