@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:
 
 import cupy  # noqa: E402
 
-from cupy_amp import GradScaler  # noqa: E402
+from cupy_amp import GradientSet, GradScaler  # noqa: E402
 from cupy_amp import cuda_kernels  # noqa: E402
 from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
 
@@ -67,6 +67,8 @@ class Row:
     ours_wall_us: float
     ours_fraction: float
     ours_host_overhead_us: float
+    ours_set_wall_us: float | None = None
+    ours_set_host_overhead_us: float | None = None
     torch_kernel_us: float | None = None
     torch_wall_us: float | None = None
     torch_fraction: float | None = None
@@ -130,7 +132,7 @@ def check_detection(scaler: GradScaler, grads: list[cupy.ndarray]) -> None:
     last[-1:] = saved
 
 
-def bench_ours(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float]:
+def bench_ours(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float, float]:
     backend = cupy_backend()
     assert backend is not None
     plan = backend.prepare(grads)
@@ -149,7 +151,15 @@ def bench_ours(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float]:
         scaler.update()
 
     wall_us = wall_median_us(full_call, repeats)
-    return kernel_us, wall_us
+    grad_set = GradientSet(grads)
+
+    def set_call(i: int) -> None:
+        scaler = scalers[i % 2]
+        scaler.unscale_and_check(grad_set)
+        scaler.update()
+
+    set_wall_us = wall_median_us(set_call, repeats)
+    return kernel_us, wall_us, set_wall_us
 
 
 def bench_step(grads: list[cupy.ndarray], repeats: int) -> float:
@@ -247,7 +257,7 @@ def run(args: argparse.Namespace) -> tuple[dict[str, object], list[Row]]:
         bytes_moved = 2 * sum(int(g.nbytes) for g in grads)
         floor_us = bytes_moved / (copy_tbps * 1e12) * 1e6
         check_detection(GradScaler(init_scale=1.0, min_scale=None), grads)
-        kernel_us, wall_us = bench_ours(grads, repeats)
+        kernel_us, wall_us, set_wall_us = bench_ours(grads, repeats)
         row = Row(
             workload=name,
             tensors=len(grads),
@@ -259,6 +269,8 @@ def run(args: argparse.Namespace) -> tuple[dict[str, object], list[Row]]:
             ours_wall_us=round(wall_us, 1),
             ours_fraction=round(floor_us / kernel_us, 3),
             ours_host_overhead_us=round(wall_us - kernel_us, 1),
+            ours_set_wall_us=round(set_wall_us, 1),
+            ours_set_host_overhead_us=round(set_wall_us - kernel_us, 1),
         )
         if not args.skip_torch:
             torch_times = bench_torch(grads, repeats)
@@ -282,7 +294,7 @@ def print_table(environment: dict[str, object], rows: list[Row]) -> None:
     print(" ".join(f"{k}={v}" for k, v in environment.items()))
     header = (
         f"{'workload':17} {'tensors':>7} {'MB moved':>9} {'floor us':>9} {'ours us':>8} {'frac':>5} "
-        f"{'wall us':>8} {'host us':>8} {'torch us':>9} {'frac':>5} {'x torch':>7} {'naive us':>9} {'step us':>8}"
+        f"{'wall us':>8} {'host us':>8} {'set host':>8} {'torch us':>9} {'frac':>5} {'x torch':>7} {'naive us':>9} {'step us':>8}"
     )
     print(header)
     for r in rows:
@@ -293,6 +305,7 @@ def print_table(environment: dict[str, object], rows: list[Row]) -> None:
         print(
             f"{r.workload:17} {r.tensors:>7} {r.bytes_moved / 1e6:>9.1f} {r.floor_us:>9.1f} {r.ours_kernel_us:>8.1f} "
             f"{r.ours_fraction:>5.2f} {r.ours_wall_us:>8.1f} {r.ours_host_overhead_us:>8.1f} "
+            f"{fmt(r.ours_set_host_overhead_us, 8)} "
             f"{fmt(r.torch_kernel_us, 9)} {fmt(r.torch_fraction, 5, '.2f')} {fmt(r.speedup_vs_torch, 7, '.2f')} "
             f"{fmt(r.naive_wall_us, 9)} {fmt(r.step_wall_us, 8)}"
         )

@@ -26,19 +26,19 @@ from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
 from tools.bench_unscale import INV_SCALES, WORKLOADS, copy_bandwidth_tbps, event_median_us, make_gradients  # noqa: E402
 
 VARIANTS = [
-    # threads, min blocks/SM, unroll, chunk, persistent blocks/SM
+    # threads, min blocks/SM, unroll, chunk bytes, persistent blocks/SM
     (512, 1, 4, 65536, 0),
     (512, 2, 4, 65536, 0),
-    (512, 2, 4, 16384, 0),
+    (512, 2, 4, 131072, 0),
     (512, 2, 4, 32768, 0),
-    (256, 4, 4, 16384, 0),
+    (256, 4, 4, 65536, 0),
     (256, 4, 4, 32768, 0),
-    (256, 4, 2, 16384, 0),
-    (512, 2, 2, 16384, 0),
-    (512, 2, 4, 16384, 2),
-    (256, 4, 4, 16384, 4),
-    (256, 8, 2, 8192, 0),
-    (1024, 1, 2, 32768, 0),
+    (256, 4, 2, 32768, 0),
+    (256, 8, 2, 32768, 0),
+    (128, 8, 4, 32768, 0),
+    (512, 2, 2, 65536, 0),
+    (256, 4, 4, 65536, 8),
+    (1024, 1, 4, 131072, 0),
 ]
 
 
@@ -63,11 +63,11 @@ def main() -> int:
     workloads = {name: make_gradients(shapes, dtype, seed) for seed, (name, (shapes, dtype)) in enumerate(WORKLOADS.items())}
     floors = {name: 2 * sum(g.nbytes for g in grads) / (copy_tbps * 1e12) * 1e6 for name, grads in workloads.items()}
     print(f"copy {copy_tbps:.3f} TB/s; floors (us): " + ", ".join(f"{n}={f:.1f}" for n, f in floors.items()))
-    print("threads minblk unroll chunk persist | " + " | ".join(f"{n:>15}" for n in workloads))
+    print("threads minblk unroll chunkB persist | " + " | ".join(f"{n:>15}" for n in workloads))
     results = []
     for threads, min_blocks, unroll, chunk, persistent in VARIANTS:
         cuda_kernels.THREADS_PER_BLOCK, cuda_kernels.MIN_BLOCKS_PER_SM = threads, min_blocks
-        cuda_kernels.UNROLL, cuda_kernels.CHUNK_SIZE, cuda_kernels.GRID_BLOCKS_PER_SM = unroll, chunk, persistent
+        cuda_kernels.UNROLL, cuda_kernels.CHUNK_BYTES, cuda_kernels.GRID_BLOCKS_PER_SM = unroll, chunk, persistent
         cuda_kernels._modules.clear()
         cupy_backend()._tables.clear()
         row = {"threads": threads, "min_blocks": min_blocks, "unroll": unroll, "chunk": chunk, "persistent": persistent}
@@ -77,7 +77,7 @@ def main() -> int:
             row[name] = {"us": round(us, 1), "fraction": round(floors[name] / us, 3)}
             cells.append(f"{us:8.1f} {floors[name] / us:5.3f}")
         results.append(row)
-        print(f"{threads:7} {min_blocks:6} {unroll:6} {chunk:5} {persistent:7} | " + " | ".join(cells), flush=True)
+        print(f"{threads:7} {min_blocks:6} {unroll:6} {chunk:6} {persistent:7} | " + " | ".join(cells), flush=True)
     if args.json:
         args.json.write_text(json.dumps({"copy_tbps": copy_tbps, "floors_us": floors, "variants": results}, indent=2))
     return 0
