@@ -35,7 +35,7 @@ __all__ = [
 # thread count and register budget through -D options, so both sides agree.
 CHUNK_BYTES = 65536
 THREADS_PER_BLOCK = 512
-MIN_BLOCKS_PER_SM = 1
+MIN_BLOCKS_PER_SM = 2
 UNROLL = 4
 # 0: one block per chunk; N: a persistent grid of N blocks per multiprocessor looping over chunks.
 GRID_BLOCKS_PER_SM = 0
@@ -63,8 +63,7 @@ def compile_options() -> tuple[str, ...]:
 
 
 def _function(file_name: str, entry: str) -> Any:
-    device_id = cupy.cuda.Device().id
-    key = (device_id, file_name)
+    key = (cupy.cuda.runtime.getDevice(), file_name)
     module = _modules.get(key)
     if module is None:
         with _lock:
@@ -105,7 +104,8 @@ def chunk_elements(itemsize: int) -> int:
 class DeviceTable:
     """Device-resident description of the tensors of one (device, dtype) launch.
 
-    One 32-byte record per chunk (see kernels/cupy_amp_common.cuh), then the
+    One 32-byte record per chunk (see kernels/cupy_amp_common.cuh), longest
+    chunks first, then the
     per-tensor layout offsets and the extents/strides of strided tensors, all
     in one int64 buffer. The tables are a pure function of the arrays'
     addresses, shapes, strides and dtype, so a cached table stays right for
@@ -152,6 +152,8 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
     records[:, 1] = np.where(dense, 0, first)
     records[:, 2] = np.where(dense, last - first, last)
     records[:, 3] = tensor | (ndims[tensor] << 32)
+    # Longest chunks first, so the short ones (small tensors, tails) fill the last wave.
+    records = records[np.argsort(first - last, kind="stable")]
 
     host = np.concatenate([records.ravel(), layout_offsets, np.asarray(layout or [0], dtype=np.int64)])
     device = cupy.empty(host.size, dtype=np.int64)

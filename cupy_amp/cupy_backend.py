@@ -83,18 +83,22 @@ class CupyUnscalePlan:
 
 
 class _FlagSlot:
-    """One device int32 overflow flag and a pinned host word to read it into."""
+    """The overflow flag of one (device, stream): one int32 in pinned, mapped host memory.
+
+    The kernel writes the flag straight into host memory (with unified
+    addressing a mapped pinned pointer is valid on the device), so reading it
+    costs a stream synchronization and no copy.
+    """
 
     def __init__(self) -> None:
-        self.device = cupy.zeros(1, dtype=np.int32)
-        self._pinned = cupy.cuda.alloc_pinned_memory(4)
-        self.host = np.frombuffer(self._pinned, dtype=np.int32, count=1)
+        flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
+        self._memory = cupy.cuda.PinnedMemory(4, flags)
+        self.host = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._memory, 0), dtype=np.int32, count=1)
+        self.host[0] = 0
+        self.device = np.uint64(self._memory.ptr)
 
     def read(self, stream: Any) -> int:
-        """Copy the flag to the host on ``stream`` and wait for it (the one synchronization)."""
-        cupy.cuda.runtime.memcpyAsync(
-            self.host.ctypes.data, self.device.data.ptr, 4, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
-        )
+        """Wait for ``stream`` (the one synchronization) and return the flag's value."""
         stream.synchronize()
         return int(self.host[0])
 

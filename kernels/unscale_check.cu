@@ -8,7 +8,8 @@
 //   layout_offsets  per tensor, where its extents and strides start in `layout`
 //                   (used by strided tensors only)
 // Each block walks chunks (grid-stride); a chunk belongs to one tensor.
-// Flags are written as `epoch` (a per-launch number chosen by the host), so
+// `found` may point to mapped pinned host memory, read by the host after a
+// stream synchronization. Flags are written as `epoch` (a per-launch number chosen by the host), so
 // nothing needs clearing between launches: a flag equal to this launch's
 // epoch was set by this launch.
 #include "cupy_amp_common.cuh"
@@ -28,7 +29,8 @@ __device__ void cupy_amp_unscale_check(
             (cupy_amp_u64)address_first.x, ndim, tensor_layout, address_first.y, last_meta.x, inv_scale);
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
             tensor_found[tensor] = epoch;
-            *found = epoch;
+            *(volatile int*)found = epoch;  // found may live in mapped host memory
+            __threadfence_system();
         }
     }
 }
