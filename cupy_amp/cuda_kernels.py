@@ -37,6 +37,8 @@ CHUNK_BYTES = 65536
 THREADS_PER_BLOCK = 512
 MIN_BLOCKS_PER_SM = 2
 UNROLL = 4
+# Order the chunk table longest chunk first, so short chunks (small tensors, tails) fill the last wave.
+LONGEST_FIRST = True
 # 0: one block per chunk; N: a persistent grid of N blocks per multiprocessor looping over chunks.
 GRID_BLOCKS_PER_SM = 0
 _CHUNK_WORDS = 4
@@ -152,8 +154,8 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
     records[:, 1] = np.where(dense, 0, first)
     records[:, 2] = np.where(dense, last - first, last)
     records[:, 3] = tensor | (ndims[tensor] << 32)
-    # Longest chunks first, so the short ones (small tensors, tails) fill the last wave.
-    records = records[np.argsort(first - last, kind="stable")]
+    if LONGEST_FIRST:
+        records = records[np.argsort(first - last, kind="stable")]
 
     host = np.concatenate([records.ravel(), layout_offsets, np.asarray(layout or [0], dtype=np.int64)])
     device = cupy.empty(host.size, dtype=np.int64)

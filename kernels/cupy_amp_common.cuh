@@ -19,6 +19,10 @@
 #ifndef CUPY_AMP_UNROLL
 #define CUPY_AMP_UNROLL 4
 #endif
+// 1: load and store the vector body with streaming (evict-first) cache hints.
+#ifndef CUPY_AMP_STREAMING
+#define CUPY_AMP_STREAMING 0
+#endif
 
 typedef unsigned short cupy_amp_u16;
 typedef unsigned int cupy_amp_u32;
@@ -177,7 +181,11 @@ __device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long lo
 #pragma unroll
         for (int k = 0; k < unroll; ++k) {
             long long index = v + (long long)k * blockDim.x;
+#if CUPY_AMP_STREAMING
+            if (index < vectors) loaded[k].raw = __ldcs(&body[index].raw);
+#else
             if (index < vectors) loaded[k].raw = body[index].raw;
+#endif
         }
 #pragma unroll
         for (int k = 0; k < unroll; ++k) {
@@ -193,7 +201,11 @@ __device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long lo
                     }
                 }
                 bad |= vector_bad;
+#if CUPY_AMP_STREAMING
+                __stcs(&body[index].raw, loaded[k].raw);
+#else
                 body[index].raw = loaded[k].raw;
+#endif
             }
         }
     }

@@ -1,13 +1,17 @@
 """Benchmark the fused unscale-and-check against the copy-bandwidth floor and PyTorch.
 
-For each workload, in one run: the device-to-device copy bandwidth; cupy-amp's
-kernel time (CUDA events, median) and the wall time of a full
-``unscale_and_check`` call (host work and the flag read-back included); the
-same two for PyTorch's fused ``torch._amp_foreach_non_finite_check_and_unscale_``
-and for a naive per-tensor CuPy loop, when importable; and the wall time of a
-whole step (scale_loss + unscale_and_check + update) on GPT-2-small.
+For each workload, measured in one run with every timer interleaved round by
+round (so clock drift hits all of them alike): a 2 GiB device-to-device copy
+(the bandwidth floor); cupy-amp's kernel (CUDA events) and the wall time of a
+full ``unscale_and_check`` + ``update`` with a plain list and with a
+``GradientSet`` (host work and the flag read-back included); PyTorch's fused
+``torch._amp_foreach_non_finite_check_and_unscale_`` (events, and wall time
+with its ``found_inf.item()``) when torch with CUDA is importable; a naive
+per-tensor CuPy loop; and, on GPT-2-small, the wall time of a whole step
+(``scale_loss`` + ``unscale_and_check`` + ``update``). Medians are reported.
 
-Usage: PYTHONPATH=. python tools/bench_unscale.py [--quick] [--json PATH] [--skip-naive] [--skip-torch]
+Usage: PYTHONPATH=. python tools/bench_unscale.py [--quick] [--repeats N] [--json PATH]
+       [--workload NAME ...] [--skip-torch] [--skip-naive]
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -30,11 +35,11 @@ if str(ROOT) not in sys.path:
 
 import cupy  # noqa: E402
 
-from cupy_amp import GradientSet, GradScaler  # noqa: E402
-from cupy_amp import cuda_kernels  # noqa: E402
+from cupy_amp import GradientSet, GradScaler, cuda_kernels  # noqa: E402
 from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
 
 INV_SCALES = (np.float32(2.0**-16), np.float32(2.0**16))
+COPY_ELEMENTS = 2**29  # float32: a 2 GiB source and a 2 GiB destination
 
 
 def gpt2_shapes(layers: int, width: int, vocab: int = 50257, context: int = 1024) -> list[tuple[int, ...]]:
@@ -43,7 +48,7 @@ def gpt2_shapes(layers: int, width: int, vocab: int = 50257, context: int = 1024
     for _ in range(layers):
         shapes += [(width,), (width,), (width, 3 * width), (3 * width,), (width, width), (width,)]
         shapes += [(width,), (width,), (width, 4 * width), (4 * width,), (4 * width, width), (width,)]
-    return shapes + [(width,), (width,)]
+    return [*shapes, (width,), (width,)]
 
 
 WORKLOADS: dict[str, tuple[list[tuple[int, ...]], str]] = {
@@ -64,55 +69,59 @@ class Row:
     copy_tbps: float
     floor_us: float
     ours_kernel_us: float
-    ours_wall_us: float
     ours_fraction: float
+    ours_wall_us: float
     ours_host_overhead_us: float
-    ours_set_wall_us: float | None = None
-    ours_set_host_overhead_us: float | None = None
+    ours_set_wall_us: float
+    ours_set_host_overhead_us: float
     torch_kernel_us: float | None = None
-    torch_wall_us: float | None = None
     torch_fraction: float | None = None
+    torch_wall_us: float | None = None
     speedup_vs_torch: float | None = None
     naive_wall_us: float | None = None
     speedup_vs_naive: float | None = None
     step_wall_us: float | None = None
-    notes: list[str] = field(default_factory=list)
+    step_over_kernel: float | None = None
+    step_set_wall_us: float | None = None
+    step_set_over_kernel: float | None = None
 
 
-def event_median_us(run: Callable[[int], object], repeats: int, warmup: int = 3) -> float:
-    """Median GPU time of ``run(i)`` between two CUDA events on the current stream."""
-    for i in range(warmup):
-        run(i)
-    times = []
+def cupy_event_timer(run: Callable[[int], object]) -> Callable[[int], float]:
+    """Return a timer giving the GPU time of ``run(i)`` in microseconds (CuPy events)."""
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-    for i in range(repeats):
+
+    def timed(i: int) -> float:
         start.record()
         run(i)
         stop.record()
         stop.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(start, stop) * 1000.0)
-    return statistics.median(times)
+        return float(cupy.cuda.get_elapsed_time(start, stop)) * 1000.0
+
+    return timed
 
 
-def wall_median_us(run: Callable[[int], object], repeats: int, warmup: int = 3) -> float:
-    """Median wall time of ``run(i)``, which must itself wait for its result."""
-    for i in range(warmup):
-        run(i)
-    cupy.cuda.Device().synchronize()
-    times = []
-    for i in range(repeats):
+def wall_timer(run: Callable[[int], object]) -> Callable[[int], float]:
+    """Return a timer giving the wall time of ``run(i)``, which must wait for its own result."""
+
+    def timed(i: int) -> float:
+        cupy.cuda.Device().synchronize()
         begin = time.perf_counter()
         run(i)
-        times.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(times)
+        return (time.perf_counter() - begin) * 1e6
+
+    return timed
 
 
-def copy_bandwidth_tbps(repeats: int) -> float:
-    """Device-to-device copy rate, bytes read plus bytes written, of a 2 GiB buffer."""
-    src = cupy.random.standard_normal(2**29, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    us = event_median_us(lambda _: cupy.copyto(dst, src), repeats)
-    return 2 * src.nbytes / (us * 1e-6) / 1e12
+def interleaved_medians(timers: dict[str, Callable[[int], float]], repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Run every timer once per round, ``repeats`` rounds, and return each one's median."""
+    for i in range(warmup):
+        for timer in timers.values():
+            timer(i)
+    samples: dict[str, list[float]] = {name: [] for name in timers}
+    for i in range(repeats):
+        for name, timer in timers.items():
+            samples[name].append(timer(i))
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 def make_gradients(shapes: list[tuple[int, ...]], dtype: str, seed: int) -> list[cupy.ndarray]:
@@ -120,102 +129,94 @@ def make_gradients(shapes: list[tuple[int, ...]], dtype: str, seed: int) -> list
     return [rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for shape in shapes]
 
 
-def check_detection(scaler: GradScaler, grads: list[cupy.ndarray]) -> None:
+def check_detection(grads: list[cupy.ndarray]) -> None:
     """Plant an inf in the last element of the last gradient; the check must find it."""
+    scaler = GradScaler(init_scale=1.0, min_scale=None)
     last = grads[-1].reshape(-1)
     saved = last[-1:].copy()
     last[-1] = cupy.inf
     ok = scaler.unscale_and_check(grads)
-    scaler.update()
     if ok or scaler.nonfinite_gradients() != [len(grads) - 1]:
         raise SystemExit("benchmark check failed: the planted inf was not detected")
     last[-1:] = saved
 
 
-def bench_ours(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float, float]:
+def alternating_scalers() -> list[GradScaler]:
+    # Unscaling by 2**-16 then 2**16 keeps the data in range however many calls run.
+    return [GradScaler(init_scale=2.0**16, max_scale=None), GradScaler(init_scale=2.0**-16, min_scale=None)]
+
+
+def our_timers(grads: list[cupy.ndarray], step: bool) -> dict[str, Callable[[int], float]]:
     backend = cupy_backend()
-    assert backend is not None
+    if backend is None:
+        raise SystemExit("CuPy is not importable")
     plan = backend.prepare(grads)
     flag = cupy.zeros(1, dtype=cupy.int32)
+    scalers = alternating_scalers()
+    grad_set = GradientSet(grads)
+    loss = cupy.ones((), dtype=cupy.float32)
 
-    def launch(i: int) -> None:
+    def kernel(i: int) -> None:
         for group in plan.groups:
             cuda_kernels.launch_unscale_check(group.table, INV_SCALES[i % 2], i + 1, flag)
 
-    kernel_us = event_median_us(launch, repeats)
-    scalers = [GradScaler(init_scale=2.0**16, max_scale=None), GradScaler(init_scale=2.0**-16, min_scale=None)]
+    def call(argument: Any, with_loss: bool) -> Callable[[int], None]:
+        def run(i: int) -> None:
+            scaler = scalers[i % 2]
+            if with_loss:
+                scaler.scale_loss(loss)
+            scaler.unscale_and_check(argument)
+            scaler.update()
 
-    def full_call(i: int) -> None:
-        scaler = scalers[i % 2]
-        scaler.unscale_and_check(grads)
-        scaler.update()
+        return run
 
-    wall_us = wall_median_us(full_call, repeats)
-    grad_set = GradientSet(grads)
-
-    def set_call(i: int) -> None:
-        scaler = scalers[i % 2]
-        scaler.unscale_and_check(grad_set)
-        scaler.update()
-
-    set_wall_us = wall_median_us(set_call, repeats)
-    return kernel_us, wall_us, set_wall_us
-
-
-def bench_step(grads: list[cupy.ndarray], repeats: int) -> float:
-    scalers = [GradScaler(init_scale=2.0**16, max_scale=None), GradScaler(init_scale=2.0**-16, min_scale=None)]
-    loss = cupy.ones((), dtype=cupy.float32)
-
-    def step(i: int) -> None:
-        scaler = scalers[i % 2]
-        scaler.scale_loss(loss)
-        scaler.unscale_and_check(grads)
-        scaler.update()
-
-    return wall_median_us(step, repeats)
+    timers = {
+        "ours_kernel": cupy_event_timer(kernel),
+        "ours_wall": wall_timer(call(grads, False)),
+        "ours_set_wall": wall_timer(call(grad_set, False)),
+    }
+    if step:
+        timers["step_wall"] = wall_timer(call(grads, True))
+        timers["step_set_wall"] = wall_timer(call(grad_set, True))
+    return timers
 
 
-def bench_torch(grads: list[cupy.ndarray], repeats: int) -> tuple[float, float] | None:
+def torch_timers(grads: list[cupy.ndarray]) -> dict[str, Callable[[int], float]]:
     try:
         import torch
     except ImportError:
-        return None
+        return {}
     if not torch.cuda.is_available():
-        return None
+        return {}
     cupy.cuda.Device().synchronize()
     tensors = [torch.as_tensor(g, device="cuda") for g in grads]  # zero-copy views of the same memory
     found = torch.zeros(1, device="cuda")
     invs = [torch.full((1,), float(s), device="cuda") for s in INV_SCALES]
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def kernel(i: int) -> None:
+    def kernel(i: int) -> float:
+        torch.cuda.synchronize()
+        start.record()
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
+        stop.record()
+        stop.synchronize()
+        return float(start.elapsed_time(stop)) * 1000.0
 
     def full_call(i: int) -> None:
         found.zero_()
         torch._amp_foreach_non_finite_check_and_unscale_(tensors, found, invs[i % 2])
         found.item()
 
-    for i in range(3):
-        kernel(i)
-    torch.cuda.synchronize()
-    times = []
-    for i in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        kernel(i)
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1000.0)
-    torch.cuda.synchronize()
-    wall = []
-    for i in range(repeats):
-        begin = time.perf_counter()
-        full_call(i)
-        wall.append((time.perf_counter() - begin) * 1e6)
-    return statistics.median(times), statistics.median(wall)
+    def full_call_timed(i: int) -> float:
+        torch.cuda.synchronize()
+        return wall_timer(full_call)(i)
+
+    return {"torch_kernel": kernel, "torch_wall": full_call_timed}
 
 
-def bench_naive(grads: list[cupy.ndarray], repeats: int) -> float:
+def naive_wall_us(grads: list[cupy.ndarray], repeats: int) -> float:
+    """Wall time of a per-tensor CuPy loop: isfinite().all() then an in-place multiply."""
+
     def loop(i: int) -> None:
         inv = float(INV_SCALES[i % 2])
         bad = cupy.zeros((), dtype=cupy.bool_)
@@ -224,15 +225,64 @@ def bench_naive(grads: list[cupy.ndarray], repeats: int) -> float:
             g *= inv
         bool(bad)
 
-    return wall_median_us(loop, max(3, repeats // 4), warmup=1)
+    with np.errstate(over="ignore"):
+        return interleaved_medians({"naive": wall_timer(loop)}, max(3, repeats // 4), warmup=1)["naive"]
 
 
-def run(args: argparse.Namespace) -> tuple[dict[str, object], list[Row]]:
-    repeats = 5 if args.quick else args.repeats
-    device = cupy.cuda.Device()
-    props = cupy.cuda.runtime.getDeviceProperties(device.id)
-    environment: dict[str, object] = {
-        "gpu": props["name"].decode() if isinstance(props["name"], bytes) else props["name"],
+def measure(name: str, args: argparse.Namespace, repeats: int, seed: int) -> Row:
+    shapes, dtype = WORKLOADS[name]
+    grads = make_gradients(shapes, dtype, seed)
+    check_detection(grads)
+    src = cupy.random.standard_normal(COPY_ELEMENTS, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    timers = {"copy": cupy_event_timer(lambda _: cupy.copyto(dst, src))}
+    timers.update(our_timers(grads, step=name == "gpt2-small-fp32"))
+    if not args.skip_torch:
+        timers.update(torch_timers(grads))
+    medians = interleaved_medians(timers, repeats)
+    del src, dst
+
+    copy_tbps = 2 * COPY_ELEMENTS * 4 / (medians["copy"] * 1e-6) / 1e12
+    bytes_moved = 2 * sum(int(g.nbytes) for g in grads)
+    floor_us = bytes_moved / (copy_tbps * 1e12) * 1e6
+    kernel_us = medians["ours_kernel"]
+    row = Row(
+        workload=name,
+        tensors=len(grads),
+        elements=sum(int(g.size) for g in grads),
+        bytes_moved=bytes_moved,
+        copy_tbps=round(copy_tbps, 3),
+        floor_us=round(floor_us, 1),
+        ours_kernel_us=round(kernel_us, 1),
+        ours_fraction=round(floor_us / kernel_us, 3),
+        ours_wall_us=round(medians["ours_wall"], 1),
+        ours_host_overhead_us=round(medians["ours_wall"] - kernel_us, 1),
+        ours_set_wall_us=round(medians["ours_set_wall"], 1),
+        ours_set_host_overhead_us=round(medians["ours_set_wall"] - kernel_us, 1),
+    )
+    if "torch_kernel" in medians:
+        row.torch_kernel_us = round(medians["torch_kernel"], 1)
+        row.torch_fraction = round(floor_us / medians["torch_kernel"], 3)
+        row.torch_wall_us = round(medians["torch_wall"], 1)
+        row.speedup_vs_torch = round(medians["torch_kernel"] / kernel_us, 2)
+    if "step_wall" in medians:
+        row.step_wall_us = round(medians["step_wall"], 1)
+        row.step_over_kernel = round(medians["step_wall"] / kernel_us, 3)
+        row.step_set_wall_us = round(medians["step_set_wall"], 1)
+        row.step_set_over_kernel = round(medians["step_set_wall"] / kernel_us, 3)
+    if not args.skip_naive:
+        row.naive_wall_us = round(naive_wall_us(grads, repeats), 1)
+        row.speedup_vs_naive = round(row.naive_wall_us / medians["ours_wall"], 1)
+    del grads
+    cupy.get_default_memory_pool().free_all_blocks()
+    return row
+
+
+def environment(repeats: int) -> dict[str, object]:
+    props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
+    name = props["name"]
+    info: dict[str, object] = {
+        "gpu": name.decode() if isinstance(name, bytes) else name,
         "driver": cupy.cuda.runtime.driverGetVersion(),
         "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
         "cupy": cupy.__version__,
@@ -240,90 +290,59 @@ def run(args: argparse.Namespace) -> tuple[dict[str, object], list[Row]]:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "repeats": repeats,
+        "launch": {
+            "threads": cuda_kernels.THREADS_PER_BLOCK,
+            "min_blocks_per_sm": cuda_kernels.MIN_BLOCKS_PER_SM,
+            "unroll": cuda_kernels.UNROLL,
+            "chunk_bytes": cuda_kernels.CHUNK_BYTES,
+        },
     }
     try:
         import torch
 
-        environment["torch"] = torch.__version__
+        info["torch"] = torch.__version__
     except ImportError:
-        environment["torch"] = None
-    copy_tbps = copy_bandwidth_tbps(repeats)
-    rows = []
-    names = args.workload or list(WORKLOADS)
-    for name in names:
-        shapes, dtype = WORKLOADS[name]
-        grads = make_gradients(shapes, dtype, seed=len(rows))
-        elements = sum(int(g.size) for g in grads)
-        bytes_moved = 2 * sum(int(g.nbytes) for g in grads)
-        floor_us = bytes_moved / (copy_tbps * 1e12) * 1e6
-        check_detection(GradScaler(init_scale=1.0, min_scale=None), grads)
-        kernel_us, wall_us, set_wall_us = bench_ours(grads, repeats)
-        row = Row(
-            workload=name,
-            tensors=len(grads),
-            elements=elements,
-            bytes_moved=bytes_moved,
-            copy_tbps=round(copy_tbps, 3),
-            floor_us=round(floor_us, 1),
-            ours_kernel_us=round(kernel_us, 1),
-            ours_wall_us=round(wall_us, 1),
-            ours_fraction=round(floor_us / kernel_us, 3),
-            ours_host_overhead_us=round(wall_us - kernel_us, 1),
-            ours_set_wall_us=round(set_wall_us, 1),
-            ours_set_host_overhead_us=round(set_wall_us - kernel_us, 1),
-        )
-        if not args.skip_torch:
-            torch_times = bench_torch(grads, repeats)
-            if torch_times is not None:
-                row.torch_kernel_us, row.torch_wall_us = (round(t, 1) for t in torch_times)
-                row.torch_fraction = round(floor_us / torch_times[0], 3)
-                row.speedup_vs_torch = round(torch_times[0] / kernel_us, 2)
-        if not args.skip_naive:
-            naive_us = bench_naive(grads, repeats)
-            row.naive_wall_us = round(naive_us, 1)
-            row.speedup_vs_naive = round(naive_us / wall_us, 1)
-        if name == "gpt2-small-fp32":
-            row.step_wall_us = round(bench_step(grads, repeats), 1)
-        rows.append(row)
-        del grads
-        cupy.get_default_memory_pool().free_all_blocks()
-    return environment, rows
+        info["torch"] = None
+    return info
 
 
-def print_table(environment: dict[str, object], rows: list[Row]) -> None:
-    print(" ".join(f"{k}={v}" for k, v in environment.items()))
-    header = (
-        f"{'workload':17} {'tensors':>7} {'MB moved':>9} {'floor us':>9} {'ours us':>8} {'frac':>5} "
-        f"{'wall us':>8} {'host us':>8} {'set host':>8} {'torch us':>9} {'frac':>5} {'x torch':>7} {'naive us':>9} {'step us':>8}"
+def print_table(info: dict[str, object], rows: list[Row]) -> None:
+    print(" ".join(f"{k}={v}" for k, v in info.items()))
+
+    def cell(value: float | None, width: int, spec: str = ".1f") -> str:
+        return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
+
+    print(
+        f"{'workload':16} {'tensors':>7} {'copy TB/s':>9} {'floor us':>8} {'ours us':>8} {'frac':>5} "
+        f"{'host us':>7} {'set host':>8} {'torch us':>8} {'frac':>5} {'x torch':>7} {'naive us':>9} "
+        f"{'step/k':>6} {'set step/k':>10}"
     )
-    print(header)
     for r in rows:
-
-        def fmt(value: float | None, width: int, spec: str = ".1f") -> str:
-            return f"{'-':>{width}}" if value is None else f"{value:>{width}{spec}}"
-
         print(
-            f"{r.workload:17} {r.tensors:>7} {r.bytes_moved / 1e6:>9.1f} {r.floor_us:>9.1f} {r.ours_kernel_us:>8.1f} "
-            f"{r.ours_fraction:>5.2f} {r.ours_wall_us:>8.1f} {r.ours_host_overhead_us:>8.1f} "
-            f"{fmt(r.ours_set_host_overhead_us, 8)} "
-            f"{fmt(r.torch_kernel_us, 9)} {fmt(r.torch_fraction, 5, '.2f')} {fmt(r.speedup_vs_torch, 7, '.2f')} "
-            f"{fmt(r.naive_wall_us, 9)} {fmt(r.step_wall_us, 8)}"
+            f"{r.workload:16} {r.tensors:>7} {r.copy_tbps:>9.3f} {r.floor_us:>8.1f} {r.ours_kernel_us:>8.1f} "
+            f"{r.ours_fraction:>5.3f} {r.ours_host_overhead_us:>7.1f} {r.ours_set_host_overhead_us:>8.1f} "
+            f"{cell(r.torch_kernel_us, 8)} {cell(r.torch_fraction, 5, '.3f')} {cell(r.speedup_vs_torch, 7, '.2f')} "
+            f"{cell(r.naive_wall_us, 9)} {cell(r.step_over_kernel, 6, '.3f')} {cell(r.step_set_over_kernel, 10, '.3f')}"
         )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="5 repeats per measurement (under a minute)")
-    parser.add_argument("--repeats", type=int, default=30, help="timed calls per measurement (default 30)")
+    parser.add_argument("--quick", action="store_true", help="7 rounds per workload, no naive loop (under a minute)")
+    parser.add_argument("--repeats", type=int, default=30, help="timed rounds per workload (default 30)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this path")
-    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="run only these")
+    parser.add_argument("--workload", action="append", choices=list(WORKLOADS), help="run only these (repeatable)")
     parser.add_argument("--skip-torch", action="store_true", help="do not time PyTorch's fused kernel")
     parser.add_argument("--skip-naive", action="store_true", help="do not time the naive per-tensor CuPy loop")
     args = parser.parse_args(argv)
-    environment, rows = run(args)
-    print_table(environment, rows)
+    if args.quick:
+        args.skip_naive = True
+    repeats = 7 if args.quick else args.repeats
+    info = environment(repeats)
+    rows = [measure(name, args, repeats, seed) for seed, name in enumerate(args.workload or WORKLOADS)]
+    print_table(info, rows)
     if args.json:
-        args.json.write_text(json.dumps({"environment": environment, "rows": [asdict(r) for r in rows]}, indent=2))
+        args.json.write_text(json.dumps({"environment": info, "rows": [asdict(r) for r in rows]}, indent=2))
     return 0
 
 

@@ -1,8 +1,9 @@
-"""Time launch-shape variants of the fused unscale kernel (developer tool, GPU only).
+"""Compare launch-shape variants of the fused unscale kernel side by side (developer tool, GPU only).
 
-Each variant sets cupy_amp.cuda_kernels' launch constants, recompiles, rebuilds
-the device tables and times the bare kernel on every benchmark workload
-(CUDA events, median). Prints one row per variant: fraction of the copy floor.
+Each variant is compiled into its own module (with its -D options) and gets
+its own device tables (chunk size, chunk order); every round times every
+variant once on the same data, so clock drift hits them alike. Prints, per
+workload, each variant's median kernel time and fraction of the copy floor.
 
 Usage: PYTHONPATH=. python tools/tune_unscale.py [--repeats 20] [--json PATH]
 """
@@ -10,10 +11,12 @@ Usage: PYTHONPATH=. python tools/tune_unscale.py [--repeats 20] [--json PATH]
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import sys
+from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -22,31 +25,61 @@ if str(ROOT) not in sys.path:
 import cupy  # noqa: E402
 
 from cupy_amp import cuda_kernels  # noqa: E402
-from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
-from tools.bench_unscale import INV_SCALES, WORKLOADS, copy_bandwidth_tbps, event_median_us, make_gradients  # noqa: E402
+from cupy_amp.kernel_sources import NVRTC_OPTIONS, read_kernel_source  # noqa: E402
+from tools.bench_unscale import (  # noqa: E402
+    COPY_ELEMENTS,
+    INV_SCALES,
+    WORKLOADS,
+    cupy_event_timer,
+    interleaved_medians,
+    make_gradients,
+)
+
+
+@dataclass(frozen=True)
+class Variant:
+    threads: int
+    min_blocks: int
+    unroll: int
+    chunk_bytes: int
+    longest_first: bool = True
+    streaming: bool = False
+
+    @property
+    def label(self) -> str:
+        order = "lpt" if self.longest_first else "ord"
+        hint = "+cs" if self.streaming else ""
+        return f"{self.threads}/{self.min_blocks}/u{self.unroll}/{self.chunk_bytes // 1024}K/{order}{hint}"
+
 
 VARIANTS = [
-    # threads, min blocks/SM, unroll, chunk bytes, persistent blocks/SM
-    (512, 2, 4, 65536, 0),
-    (512, 2, 4, 32768, 0),
-    (512, 2, 8, 65536, 0),
-    (512, 1, 4, 65536, 0),
-    (256, 4, 2, 32768, 0),
-    (128, 8, 4, 32768, 0),
-    (1024, 1, 4, 131072, 0),
+    Variant(512, 2, 4, 65536),
+    Variant(512, 2, 4, 65536, longest_first=False),
+    Variant(512, 2, 4, 65536, streaming=True),
+    Variant(512, 3, 4, 65536),
+    Variant(512, 4, 2, 65536),
+    Variant(512, 2, 4, 32768),
+    Variant(1024, 1, 4, 131072),
+    Variant(256, 4, 4, 32768),
 ]
 
 
-def kernel_time(grads: list[cupy.ndarray], repeats: int) -> float:
-    backend = cupy_backend()
-    plan = backend.prepare(grads)
-    flag = cupy.zeros(1, dtype=cupy.int32)
-
-    def launch(i: int) -> None:
-        for group in plan.groups:
-            cuda_kernels.launch_unscale_check(group.table, INV_SCALES[i % 2], i + 1, flag)
-
-    return event_median_us(launch, repeats)
+def build(variant: Variant, grads: list[cupy.ndarray]) -> tuple[object, cuda_kernels.DeviceTable]:
+    options = (
+        *NVRTC_OPTIONS,
+        f"-DCUPY_AMP_THREADS={variant.threads}",
+        f"-DCUPY_AMP_MIN_BLOCKS={variant.min_blocks}",
+        f"-DCUPY_AMP_UNROLL={variant.unroll}",
+        f"-DCUPY_AMP_STREAMING={int(variant.streaming)}",
+    )
+    module = cupy.RawModule(code=read_kernel_source("unscale_check.cu"), options=options)
+    saved = cuda_kernels.CHUNK_BYTES, cuda_kernels.LONGEST_FIRST
+    cuda_kernels.CHUNK_BYTES, cuda_kernels.LONGEST_FIRST = variant.chunk_bytes, variant.longest_first
+    try:
+        table = cuda_kernels.build_device_table(grads, cuda_kernels.kernel_dtype_name(grads[0].dtype))
+    finally:
+        cuda_kernels.CHUNK_BYTES, cuda_kernels.LONGEST_FIRST = saved
+    return module.get_function(f"cupy_amp_unscale_check_{table.dtype_name}"), table
 
 
 def main() -> int:
@@ -54,27 +87,47 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    copy_tbps = copy_bandwidth_tbps(args.repeats)
-    workloads = {name: make_gradients(shapes, dtype, seed) for seed, (name, (shapes, dtype)) in enumerate(WORKLOADS.items())}
-    floors = {name: 2 * sum(g.nbytes for g in grads) / (copy_tbps * 1e12) * 1e6 for name, grads in workloads.items()}
-    print(f"copy {copy_tbps:.3f} TB/s; floors (us): " + ", ".join(f"{n}={f:.1f}" for n, f in floors.items()))
-    print("threads minblk unroll chunkB persist | " + " | ".join(f"{n:>15}" for n in workloads))
-    results = []
-    for threads, min_blocks, unroll, chunk, persistent in VARIANTS:
-        cuda_kernels.THREADS_PER_BLOCK, cuda_kernels.MIN_BLOCKS_PER_SM = threads, min_blocks
-        cuda_kernels.UNROLL, cuda_kernels.CHUNK_BYTES, cuda_kernels.GRID_BLOCKS_PER_SM = unroll, chunk, persistent
-        cuda_kernels._modules.clear()
-        cupy_backend()._tables.clear()
-        row = {"threads": threads, "min_blocks": min_blocks, "unroll": unroll, "chunk": chunk, "persistent": persistent}
-        cells = []
-        for name, grads in workloads.items():
-            us = kernel_time(grads, args.repeats)
-            row[name] = {"us": round(us, 1), "fraction": round(floors[name] / us, 3)}
-            cells.append(f"{us:8.1f} {floors[name] / us:5.3f}")
-        results.append(row)
-        print(f"{threads:7} {min_blocks:6} {unroll:6} {chunk:6} {persistent:7} | " + " | ".join(cells), flush=True)
+    flag = cupy.zeros(1, dtype=cupy.int32)
+    results = {}
+    print("variant: threads/min blocks per SM/unroll/chunk/chunk order(+streaming hints); cells: us, fraction of floor")
+    for seed, (name, (shapes, dtype)) in enumerate(WORKLOADS.items()):
+        grads = make_gradients(shapes, dtype, seed)
+        src = cupy.random.standard_normal(COPY_ELEMENTS, dtype=cupy.float32)
+        dst = cupy.empty_like(src)
+        timers = {"copy": cupy_event_timer(lambda _: cupy.copyto(dst, src))}
+        for variant in VARIANTS:
+            kernel, table = build(variant, grads)
+
+            def launch(i: int, kernel: object = kernel, table: cuda_kernels.DeviceTable = table, v: Variant = variant) -> None:
+                kernel(  # type: ignore[operator]
+                    (table.chunk_count,),
+                    (v.threads,),
+                    (
+                        table.chunks,
+                        table.layout_offsets,
+                        table.layout,
+                        np.int64(table.chunk_count),
+                        INV_SCALES[i % 2],
+                        np.int32(i + 1),
+                        flag,
+                        table.tensor_found,
+                    ),
+                )
+
+            timers[variant.label] = cupy_event_timer(launch)
+        medians = interleaved_medians(timers, args.repeats)
+        copy_tbps = 2 * COPY_ELEMENTS * 4 / (medians["copy"] * 1e-6) / 1e12
+        floor_us = 2 * sum(int(g.nbytes) for g in grads) / (copy_tbps * 1e12) * 1e6
+        results[name] = {"copy_tbps": copy_tbps, "floor_us": floor_us, "variants": {}}
+        print(f"{name}: copy {copy_tbps:.3f} TB/s, floor {floor_us:.1f} us")
+        for variant in VARIANTS:
+            us = medians[variant.label]
+            results[name]["variants"][variant.label] = {**asdict(variant), "us": us, "fraction": floor_us / us}
+            print(f"    {variant.label:28} {us:9.1f} us  {floor_us / us:6.3f}", flush=True)
+        del grads, src, dst, timers
+        cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
-        args.json.write_text(json.dumps({"copy_tbps": copy_tbps, "floors_us": floors, "variants": results}, indent=2))
+        args.json.write_text(json.dumps(results, indent=2))
     return 0
 
 
