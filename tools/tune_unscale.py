@@ -56,9 +56,10 @@ VARIANTS = [
     Variant(512, 2, 4, 65536),
     Variant(512, 2, 4, 65536, longest_first=False),
     Variant(512, 2, 4, 65536, streaming=True),
-    Variant(512, 3, 4, 65536),
-    Variant(512, 4, 2, 65536),
+    Variant(512, 2, 4, 65536, longest_first=False, streaming=True),
     Variant(512, 2, 4, 32768),
+    Variant(512, 2, 4, 32768, longest_first=False),
+    Variant(512, 2, 4, 32768, streaming=True),
     Variant(1024, 1, 4, 131072),
     Variant(256, 4, 4, 32768),
 ]
