@@ -33,10 +33,11 @@ __all__ = [
 
 # Launch shape (tuned on an H200: see BENCHMARKS.md). The kernels receive the
 # thread count and register budget through -D options, so both sides agree.
-CHUNK_BYTES = 65536
+CHUNK_BYTES = 32768
 THREADS_PER_BLOCK = 512
 MIN_BLOCKS_PER_SM = 2
 UNROLL = 4
+STREAMING_HINTS = True
 # Order the chunk table longest chunk first, so short chunks (small tensors, tails) fill the last wave.
 LONGEST_FIRST = True
 # 0: one block per chunk; N: a persistent grid of N blocks per multiprocessor looping over chunks.
@@ -47,6 +48,7 @@ _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"
 
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], Any] = {}
+_functions: dict[tuple[int, str], Any] = {}
 
 
 def kernel_dtype_name(dtype: np.dtype[Any]) -> str | None:
@@ -61,19 +63,21 @@ def compile_options() -> tuple[str, ...]:
         f"-DCUPY_AMP_THREADS={THREADS_PER_BLOCK}",
         f"-DCUPY_AMP_MIN_BLOCKS={MIN_BLOCKS_PER_SM}",
         f"-DCUPY_AMP_UNROLL={UNROLL}",
+        f"-DCUPY_AMP_STREAMING={int(STREAMING_HINTS)}",
     )
 
 
 def _function(file_name: str, entry: str) -> Any:
-    key = (cupy.cuda.runtime.getDevice(), file_name)
-    module = _modules.get(key)
-    if module is None:
+    device_id = cupy.cuda.runtime.getDevice()
+    function = _functions.get((device_id, entry))
+    if function is None:
         with _lock:
-            module = _modules.get(key)
+            module = _modules.get((device_id, file_name))
             if module is None:
                 module = cupy.RawModule(code=read_kernel_source(file_name), options=compile_options())
-                _modules[key] = module
-    return module.get_function(entry)
+                _modules[(device_id, file_name)] = module
+            function = _functions[(device_id, entry)] = module.get_function(entry)
+    return function
 
 
 def dense_base(array: cupy.ndarray) -> int | None:
@@ -118,6 +122,7 @@ class DeviceTable:
 
     dtype_name: str
     chunk_count: int
+    grid: int
     chunks: Any
     layout_offsets: Any
     layout: Any
@@ -164,6 +169,7 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
     return DeviceTable(
         dtype_name=dtype_name,
         chunk_count=chunk_count,
+        grid=_grid(chunk_count),
         chunks=device[:n_records],
         layout_offsets=device[n_records : n_records + count],
         layout=device[n_records + count :],
@@ -191,7 +197,7 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
         return
     kernel = _function("unscale_check.cu", f"cupy_amp_unscale_check_{table.dtype_name}")
     kernel(
-        (_grid(table.chunk_count),),
+        (table.grid,),
         (THREADS_PER_BLOCK,),
         (
             table.chunks,

@@ -48,6 +48,9 @@ class CupyOverflowCheck:
         return list(self.positions)
 
 
+_CLEAN = CupyOverflowCheck(False, ())
+
+
 @dataclass(frozen=True)
 class _Group:
     """The gradients of one (device, dtype): one kernel launch."""
@@ -177,29 +180,29 @@ class CupyBackend:
         """Launch every group of ``plan``, then read each device's flag once."""
         epoch = next(self._epochs) % (2**31 - 1) + 1
         factor = np.float32(inv_scale)
-        devices: list[int] = []
+        streams: dict[int, tuple[Any, _FlagSlot]] = {}
         for group in plan.groups:
             with _on_device(group.device_id):
-                self._kernels.launch_unscale_check(group.table, factor, epoch, self._flag_slot(group.device_id).device)
-            if group.device_id not in devices:
-                devices.append(group.device_id)
+                if group.device_id not in streams:
+                    stream = cupy.cuda.get_current_stream()
+                    streams[group.device_id] = (stream, self._flag_slot(group.device_id, stream))
+                self._kernels.launch_unscale_check(group.table, factor, epoch, streams[group.device_id][1].device)
 
         overflow = False
         culprits: list[int] = []
-        for device_id in devices:
+        for device_id, (stream, slot) in streams.items():
+            if slot.read(stream) != epoch:
+                continue
+            overflow = True
             with _on_device(device_id):
-                stream = cupy.cuda.get_current_stream()
-                if self._flag_slot(device_id).read(stream) != epoch:
-                    continue
-                overflow = True
                 for group in plan.groups:
                     if group.device_id == device_id:
                         flags = group.table.tensor_found.get(stream=stream)
                         culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
-        return CupyOverflowCheck(overflow, tuple(sorted(culprits)))
+        return CupyOverflowCheck(overflow, tuple(sorted(culprits))) if overflow else _CLEAN
 
-    def _flag_slot(self, device_id: int) -> _FlagSlot:
-        key = (device_id, cupy.cuda.get_current_stream().ptr)
+    def _flag_slot(self, device_id: int, stream: Any) -> _FlagSlot:
+        key = (device_id, stream.ptr)
         slot = self._flags.get(key)
         if slot is None:
             slot = self._flags[key] = _FlagSlot()

@@ -14,14 +14,14 @@
 #define CUPY_AMP_THREADS 512
 #endif
 #ifndef CUPY_AMP_MIN_BLOCKS
-#define CUPY_AMP_MIN_BLOCKS 1
+#define CUPY_AMP_MIN_BLOCKS 2
 #endif
 #ifndef CUPY_AMP_UNROLL
 #define CUPY_AMP_UNROLL 4
 #endif
 // 1: load and store the vector body with streaming (evict-first) cache hints.
 #ifndef CUPY_AMP_STREAMING
-#define CUPY_AMP_STREAMING 0
+#define CUPY_AMP_STREAMING 1
 #endif
 
 typedef unsigned short cupy_amp_u16;
