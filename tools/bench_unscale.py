@@ -74,6 +74,7 @@ class Row:
     ours_host_overhead_us: float
     ours_set_wall_us: float
     ours_set_host_overhead_us: float
+    bare_launch_and_readback_overhead_us: float
     torch_kernel_us: float | None = None
     torch_fraction: float | None = None
     torch_wall_us: float | None = None
@@ -179,8 +180,18 @@ def our_timers(grads: list[cupy.ndarray], step: bool) -> dict[str, Callable[[int
 
         return run
 
+    stream = cupy.cuda.get_current_stream()
+    slot = backend._flag_slot(cupy.cuda.runtime.getDevice(), stream)
+
+    def bare(i: int) -> None:
+        # The irreducible part of a call: the same launch and flag read-back, no Python around them.
+        for group in plan.groups:
+            cuda_kernels.launch_unscale_check(group.table, INV_SCALES[i % 2], i + 1, slot.device)
+        slot.read(stream)
+
     timers = {
         "ours_kernel": cupy_event_timer(kernel),
+        "bare_wall": wall_timer(bare),
         "ours_wall": wall_timer(call(grads, False)),
         "ours_set_wall": wall_timer(call(grad_set, False)),
     }
@@ -268,6 +279,7 @@ def measure(name: str, args: argparse.Namespace, repeats: int, seed: int) -> Row
         ours_host_overhead_us=round(medians["ours_wall"] - kernel_us, 1),
         ours_set_wall_us=round(medians["ours_set_wall"], 1),
         ours_set_host_overhead_us=round(medians["ours_set_wall"] - kernel_us, 1),
+        bare_launch_and_readback_overhead_us=round(medians["bare_wall"] - kernel_us, 1),
     )
     if "torch_kernel" in medians:
         row.torch_kernel_us = round(medians["torch_kernel"], 1)
@@ -323,13 +335,14 @@ def print_table(info: dict[str, object], rows: list[Row]) -> None:
 
     print(
         f"{'workload':16} {'tensors':>7} {'copy TB/s':>9} {'floor us':>8} {'ours us':>8} {'frac':>5} "
-        f"{'host us':>7} {'set host':>8} {'torch us':>8} {'frac':>5} {'x torch':>7} {'naive us':>9} "
+        f"{'host us':>7} {'set host':>8} {'bare':>5} {'torch us':>8} {'frac':>5} {'x torch':>7} {'naive us':>9} "
         f"{'step/k':>6} {'set step/k':>10}"
     )
     for r in rows:
         print(
             f"{r.workload:16} {r.tensors:>7} {r.copy_tbps:>9.3f} {r.floor_us:>8.1f} {r.ours_kernel_us:>8.1f} "
             f"{r.ours_fraction:>5.3f} {r.ours_host_overhead_us:>7.1f} {r.ours_set_host_overhead_us:>8.1f} "
+            f"{r.bare_launch_and_readback_overhead_us:>5.1f} "
             f"{cell(r.torch_kernel_us, 8)} {cell(r.torch_fraction, 5, '.3f')} {cell(r.speedup_vs_torch, 7, '.2f')} "
             f"{cell(r.naive_wall_us, 9)} {cell(r.step_over_kernel, 6, '.3f')} {cell(r.step_set_over_kernel, 10, '.3f')}"
         )
