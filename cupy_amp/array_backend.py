@@ -17,7 +17,11 @@ class OverflowCheck(Protocol):
     """The result of one fused unscale-and-check, possibly still on the device."""
 
     def found_overflow(self) -> bool:
-        """Return True if any element was inf/nan (may wait for the device)."""
+        """Return the verdict: True if any element was inf/nan, on any rank when voting."""
+        ...
+
+    def local_overflow(self) -> bool:
+        """Return True if this process's own arrays held inf/nan."""
         ...
 
     def nonfinite_positions(self) -> list[int]:
@@ -32,8 +36,12 @@ class UnscalePlan(Protocol):
         """Return True if the plan still fits ``arrays`` (the same objects it was made for)."""
         ...
 
-    def run(self, arrays: Sequence[Any], inv_scale: Any) -> OverflowCheck:
-        """Check every array for inf/nan, then multiply it by ``inv_scale`` in place."""
+    def run(self, arrays: Sequence[Any], inv_scale: Any, vote: Any = None) -> OverflowCheck:
+        """Check every array for inf/nan, then multiply it by ``inv_scale`` in place.
+
+        With a ``vote`` (see :mod:`cupy_amp.distributed`), the local overflow flag
+        is combined with every rank's before the verdict is read back.
+        """
         ...
 
 

@@ -43,6 +43,7 @@ class GradScalerCheckpoint:
     growth_interval: int
     consecutive_good_steps: int
     found_overflow: bool
+    found_overflow_local: bool
     enabled: bool
     min_scale: float | None
     max_scale: float | None
@@ -52,6 +53,7 @@ class GradScalerCheckpoint:
     skipped_steps: int
     growths: int
     backoffs: int
+    remote_skipped_steps: int
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -71,6 +73,13 @@ class GradScalerCheckpoint:
         validate_scale_in_clamps(config, scale, "scale", CheckpointFieldError)
         set_field(self, "scale", scale)
         set_field(self, "found_overflow", expect_bool(CheckpointFieldError, "found_overflow", self.found_overflow))
+        local = expect_bool(CheckpointFieldError, "found_overflow_local", self.found_overflow_local)
+        if local and not self.found_overflow:
+            raise CheckpointFieldError(
+                "Invalid 'found_overflow_local': expected False when found_overflow is False "
+                "(a local overflow is an overflow), got True."
+            )
+        set_field(self, "found_overflow_local", local)
         set_field(self, "enabled", expect_bool(CheckpointFieldError, "enabled", self.enabled))
 
         good = expect_int(CheckpointFieldError, "consecutive_good_steps", self.consecutive_good_steps, 0)
@@ -86,7 +95,7 @@ class GradScalerCheckpoint:
                 f"Invalid 'hysteresis_tracker': expected an int in [0, hysteresis={config.hysteresis}], got {tracker!r}."
             )
         set_field(self, "hysteresis_tracker", tracker)
-        for name in ("steps", "skipped_steps", "growths", "backoffs"):
+        for name in ("steps", "skipped_steps", "growths", "backoffs", "remote_skipped_steps"):
             set_field(self, name, expect_int(CheckpointFieldError, name, getattr(self, name), 0))
         self._check_counters_consistent()
 
@@ -104,6 +113,11 @@ class GradScalerCheckpoint:
         if self.backoffs > self.skipped_steps:
             raise CheckpointFieldError(
                 f"Invalid 'backoffs': expected an int <= skipped_steps ({self.skipped_steps}), got {self.backoffs!r}."
+            )
+        if self.remote_skipped_steps > self.skipped_steps:
+            raise CheckpointFieldError(
+                f"Invalid 'remote_skipped_steps': expected an int <= skipped_steps ({self.skipped_steps}), "
+                f"got {self.remote_skipped_steps!r}."
             )
 
     def config(self) -> ScalerConfig:
@@ -127,6 +141,7 @@ class GradScalerCheckpoint:
             skipped_steps=self.skipped_steps,
             growths=self.growths,
             backoffs=self.backoffs,
+            remote_skipped_steps=self.remote_skipped_steps,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,7 +188,7 @@ class GradScalerCheckpoint:
         Needs no PyTorch import. The fields PyTorch lacks take the values that
         make the trajectory continue exactly as PyTorch's would: ``min_scale``
         and ``max_scale`` None, ``hysteresis`` 1 (tracker 1), ``enabled`` True,
-        ``found_overflow`` False, counters 0.
+        ``found_overflow`` and ``found_overflow_local`` False, counters 0.
 
         Raises:
             CheckpointFieldError: A key is missing or unknown (an empty dict,
@@ -207,6 +222,7 @@ class GradScalerCheckpoint:
             growth_interval=state_dict["growth_interval"],
             consecutive_good_steps=state_dict["_growth_tracker"],
             found_overflow=False,
+            found_overflow_local=False,
             enabled=True,
             min_scale=None,
             max_scale=None,
@@ -216,6 +232,7 @@ class GradScalerCheckpoint:
             skipped_steps=0,
             growths=0,
             backoffs=0,
+            remote_skipped_steps=0,
         )
 
     def to_bytes(self) -> bytes:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.array_backend import byte_extent
+from cupy_amp.errors import GradientValueError
 
 try:
     import cupy
@@ -37,18 +38,23 @@ class CupyOverflowCheck:
     """Overflow result of one call, already read back from the device(s)."""
 
     overflow: bool
+    local: bool
     positions: tuple[int, ...]
 
     def found_overflow(self) -> bool:
-        """Return True if any gradient held inf/nan (already read: never synchronizes)."""
+        """Return the verdict (already read back: never synchronizes)."""
         return self.overflow
+
+    def local_overflow(self) -> bool:
+        """Return True if this process's gradients held inf/nan."""
+        return self.local
 
     def nonfinite_positions(self) -> list[int]:
         """Return the positions of the gradients that held inf/nan."""
         return list(self.positions)
 
 
-_CLEAN = CupyOverflowCheck(False, ())
+_CLEAN = CupyOverflowCheck(False, False, ())
 
 
 @dataclass(frozen=True)
@@ -81,7 +87,9 @@ class CupyUnscalePlan:
             for position, shape, strides in self._strided
         )
 
-    def run(self, arrays: Sequence[Any], inv_scale: np.float32) -> CupyOverflowCheck:
+    def run(self, arrays: Sequence[Any], inv_scale: np.float32, vote: Any = None) -> CupyOverflowCheck:
+        if vote is not None:
+            return self._backend.run_plan_voting(self, inv_scale, vote)
         return self._backend.run_plan(self, inv_scale)
 
 
@@ -106,6 +114,23 @@ class _FlagSlot:
         return int(self.host[0])
 
 
+class _VoteSlot:
+    """Two device int32 flags (local, agreed) for a voting call, and pinned host memory to read them."""
+
+    def __init__(self) -> None:
+        self.device = cupy.zeros(2, dtype=np.int32)
+        self._pinned = cupy.cuda.alloc_pinned_memory(8)
+        self.host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
+
+    def read(self, stream: Any) -> tuple[int, int]:
+        """Copy both flags to the host on ``stream`` and wait (the one synchronization)."""
+        cupy.cuda.runtime.memcpyAsync(
+            self.host.ctypes.data, self.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
+        )
+        stream.synchronize()
+        return int(self.host[0]), int(self.host[1])
+
+
 class CupyBackend:
     """Array operations on ``cupy.ndarray`` (and zero-copy views of CUDA arrays)."""
 
@@ -118,6 +143,7 @@ class CupyBackend:
         self._lock = threading.Lock()
         self._tables: OrderedDict[Hashable, Any] = OrderedDict()
         self._flags: dict[tuple[int, int], _FlagSlot] = {}
+        self._vote_slots: dict[tuple[int, int], _VoteSlot] = {}
         self._epochs = itertools.count(1)
 
     def coerce(self, obj: Any) -> Any | None:
@@ -199,7 +225,39 @@ class CupyBackend:
                     if group.device_id == device_id:
                         flags = group.table.tensor_found.get(stream=stream)
                         culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
-        return CupyOverflowCheck(overflow, tuple(sorted(culprits))) if overflow else _CLEAN
+        return CupyOverflowCheck(overflow, overflow, tuple(sorted(culprits))) if overflow else _CLEAN
+
+    def run_plan_voting(self, plan: CupyUnscalePlan, inv_scale: np.float32, vote: Any) -> CupyOverflowCheck:
+        """Like :meth:`run_plan`, with the local flag all-reduced (MAX) across ranks before the read-back."""
+        devices = {group.device_id for group in plan.groups}
+        if len(devices) != 1:
+            raise GradientValueError(
+                f"With a communicator, every gradient of a call must be on one device (the communicator's); "
+                f"got devices {sorted(devices)}."
+            )
+        (device_id,) = devices
+        epoch = next(self._epochs) % (2**31 - 1) + 1
+        with _on_device(device_id):
+            stream = cupy.cuda.get_current_stream()
+            slot = self._vote_slot(device_id, stream)
+            cupy.cuda.runtime.memsetAsync(slot.device.data.ptr, 0, 8, stream.ptr)
+            for group in plan.groups:
+                self._kernels.launch_unscale_check(group.table, np.float32(inv_scale), epoch, slot.device)
+            vote.reduce_max(slot.device, stream)
+            local_flag, agreed_flag = slot.read(stream)
+            culprits: list[int] = []
+            if local_flag:
+                for group in plan.groups:
+                    flags = group.table.tensor_found.get(stream=stream)
+                    culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
+        return CupyOverflowCheck(bool(agreed_flag), bool(local_flag), tuple(sorted(culprits)))
+
+    def _vote_slot(self, device_id: int, stream: Any) -> _VoteSlot:
+        key = (device_id, stream.ptr)
+        slot = self._vote_slots.get(key)
+        if slot is None:
+            slot = self._vote_slots[key] = _VoteSlot()
+        return slot
 
     def _flag_slot(self, device_id: int, stream: Any) -> _FlagSlot:
         key = (device_id, stream.ptr)

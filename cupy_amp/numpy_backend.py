@@ -22,12 +22,17 @@ SUPPORTED_NUMPY_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(n
 
 @dataclass(frozen=True)
 class NumpyOverflowCheck:
-    """Per-array overflow flags, computed eagerly on the host."""
+    """Per-array overflow flags, computed eagerly on the host, and the agreed verdict."""
 
     flags: tuple[bool, ...]
+    overflow: bool
 
     def found_overflow(self) -> bool:
-        """Return True if any array held inf/nan (never synchronizes: host memory)."""
+        """Return the verdict (already known: never synchronizes)."""
+        return self.overflow
+
+    def local_overflow(self) -> bool:
+        """Return True if any of this process's arrays held inf/nan."""
         return any(self.flags)
 
     def nonfinite_positions(self) -> list[int]:
@@ -77,12 +82,13 @@ class NumpyUnscalePlan:
     def still_valid(self, arrays: Sequence[np.ndarray]) -> bool:
         return all(array.flags.writeable for array in arrays) and self.dtypes == tuple(a.dtype for a in arrays)
 
-    def run(self, arrays: Sequence[np.ndarray], inv_scale: np.float32) -> NumpyOverflowCheck:
+    def run(self, arrays: Sequence[np.ndarray], inv_scale: np.float32, vote: Any = None) -> NumpyOverflowCheck:
         flags = []
         for array in arrays:
             flags.append(not bool(np.isfinite(array).all()))
             _multiply_in_place(array, inv_scale)
-        return NumpyOverflowCheck(tuple(flags))
+        local = any(flags)
+        return NumpyOverflowCheck(tuple(flags), vote.host_vote(local) if vote is not None else local)
 
 
 def _multiply_in_place(array: np.ndarray, factor: np.float32) -> None:

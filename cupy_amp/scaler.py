@@ -12,6 +12,7 @@ from cupy_amp.array_backend import OverflowCheck, UnscalePlan
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
+from cupy_amp.distributed import overflow_vote_for
 from cupy_amp.gradient_cache import PreparedCallCache
 from cupy_amp.gradients import GradientBatch, GradientSet, check_disjoint, collect_gradients, collect_loss
 from cupy_amp.stats import GradScalerStats
@@ -27,7 +28,7 @@ class _CheckedCall:
 
     labels: tuple[Hashable, ...]
     check: OverflowCheck | None
-    overflowed: bool
+    local_overflow: bool
 
 
 class GradScaler:
@@ -59,6 +60,12 @@ class GradScaler:
         min_scale: Floor after a backoff (float32, > 0), or None for none.
         max_scale: Ceiling after a growth (float32, >= min_scale), or None for none.
         hysteresis: Overflowing steps before a backoff, an int >= 1 (refilled on growth).
+        comm: For multi-process training: a CuPy NCCL communicator
+            (``cupyx.distributed.NCCLBackend`` or ``cupy.cuda.nccl.NcclCommunicator``)
+            or any :class:`~cupy_amp.distributed.OverflowVote`. Every
+            ``unscale_and_check`` then all-reduces the overflow flag (MAX) before
+            reading it, so all ranks skip and adapt together; every rank must make
+            the same calls (a rank without gradients passes an empty list).
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -74,6 +81,7 @@ class GradScaler:
         min_scale: float | None = 1.0,
         max_scale: float | None = 2.0**24,
         hysteresis: int = 1,
+        comm: Any = None,
     ) -> None:
         config = ScalerConfig(
             growth_factor=growth_factor,
@@ -88,7 +96,9 @@ class GradScaler:
         self._config = config
         self._state = ScalerState(scale=scale, growth_tracker=0, hysteresis_tracker=config.hysteresis)
         self._enabled = expect_bool(ConfigError, "enabled", enabled)
+        self._vote = overflow_vote_for(comm)
         self._found_overflow = False
+        self._found_overflow_local = False
         self._step_open = False
         # The current step's calls, or the last step's once update() closed it.
         self._calls: list[_CheckedCall] = []
@@ -179,17 +189,22 @@ class GradScaler:
         if not new_step:
             check_disjoint([*self._step_batches, batch])
 
-        check = plan.run(batch.arrays, inverse_scale(self._state.scale)) if plan is not None else None
-        overflowed = check is not None and check.found_overflow()
+        check = plan.run(batch.arrays, inverse_scale(self._state.scale), self._vote) if plan is not None else None
+        if check is not None:
+            overflowed, local = check.found_overflow(), check.local_overflow()
+        else:  # nothing to check here; with a communicator this rank still votes
+            overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
 
         if new_step:
             self._step_open = True
             self._found_overflow = False
+            self._found_overflow_local = False
             self._calls = []
             self._step_batches = []
         self._step_batches.append(batch)
-        self._calls.append(_CheckedCall(batch.labels, check, overflowed))
+        self._calls.append(_CheckedCall(batch.labels, check, local))
         self._found_overflow = self._found_overflow or overflowed
+        self._found_overflow_local = self._found_overflow_local or local
         return not overflowed
 
     def update(self) -> None:
@@ -209,7 +224,7 @@ class GradScaler:
                 "True, update(). With gradient accumulation, call unscale_and_check() and update() once per "
                 "optimizer step, after the last micro-batch, not once per micro-batch."
             )
-        self._state = next_state(self._config, self._state, self._found_overflow)
+        self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
         self._step_open = False
         self._step_batches = []
 
@@ -234,7 +249,7 @@ class GradScaler:
         """
         culprits: list[Hashable] = []
         for call in self._calls:
-            if call.overflowed and call.check is not None:
+            if call.local_overflow and call.check is not None:
                 culprits.extend(call.labels[position] for position in call.check.nonfinite_positions())
         return culprits
 
@@ -270,6 +285,8 @@ class GradScaler:
             skipped_steps=state.skipped_steps,
             growths=state.growths,
             backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
+            last_overflow=("local" if self._found_overflow_local else "remote") if self._found_overflow else "none",
         )
 
     def checkpoint(self) -> GradScalerCheckpoint:
@@ -291,6 +308,7 @@ class GradScaler:
             growth_interval=config.growth_interval,
             consecutive_good_steps=state.growth_tracker,
             found_overflow=self._found_overflow,
+            found_overflow_local=self._found_overflow_local,
             enabled=self._enabled,
             min_scale=config.min_scale,
             max_scale=config.max_scale,
@@ -300,6 +318,7 @@ class GradScaler:
             skipped_steps=state.skipped_steps,
             growths=state.growths,
             backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
         )
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
@@ -323,6 +342,7 @@ class GradScaler:
         self._state = checkpoint.state()
         self._enabled = checkpoint.enabled
         self._found_overflow = checkpoint.found_overflow
+        self._found_overflow_local = checkpoint.found_overflow_local
         self._calls = []
         self._step_batches = []
 

@@ -20,6 +20,10 @@ class GradScalerStats:
         skipped_steps: Of those, the steps whose gradients overflowed.
         growths: Times the scale grew.
         backoffs: Times the scale shrank.
+        remote_skipped_steps: Skipped steps whose overflow was on another rank only
+            (this process's gradients were finite); always 0 without a communicator.
+        last_overflow: Where the current (or last) step's overflow was: "none",
+            "local" (this process's gradients) or "remote" (another rank's only).
     """
 
     scale: float
@@ -30,8 +34,10 @@ class GradScalerStats:
     skipped_steps: int
     growths: int
     backoffs: int
+    remote_skipped_steps: int
+    last_overflow: str
 
-    def to_dict(self) -> dict[str, float | int | bool]:
+    def to_dict(self) -> dict[str, float | int | bool | str]:
         """Return the fields as a plain dict (for loggers such as TensorBoard or W&B)."""
         return asdict(self)
 
@@ -41,5 +47,6 @@ class GradScalerStats:
         return (
             f"scale={self.scale:.9g} ({state}) good_steps={self.consecutive_good_steps} "
             f"steps={self.steps} skipped={self.skipped_steps} "
-            f"growths={self.growths} backoffs={self.backoffs} hysteresis_left={self.hysteresis_tracker}"
+            f"growths={self.growths} backoffs={self.backoffs} hysteresis_left={self.hysteresis_tracker} "
+            f"remote_skips={self.remote_skipped_steps} last_overflow={self.last_overflow}"
         )

@@ -28,6 +28,8 @@ class ScalerState:
         skipped_steps: Of those, the steps that overflowed.
         growths: Times the scale grew.
         backoffs: Times the scale shrank.
+        remote_skipped_steps: Of the skipped steps, those where this process's own
+            gradients were finite and only another rank's overflowed.
     """
 
     scale: float
@@ -37,6 +39,7 @@ class ScalerState:
     skipped_steps: int = 0
     growths: int = 0
     backoffs: int = 0
+    remote_skipped_steps: int = 0
 
 
 # The smallest magnitude that rounds to infinity in float32 (halfway past the largest finite value).
@@ -58,8 +61,14 @@ def inverse_scale(scale: float) -> np.float32:
     return np.float32(to_float32(1.0 / scale))
 
 
-def next_state(config: ScalerConfig, state: ScalerState, found_overflow: bool) -> ScalerState:
+def next_state(
+    config: ScalerConfig, state: ScalerState, found_overflow: bool, local_overflow: bool | None = None
+) -> ScalerState:
     """Return the state after a step that did or did not overflow.
+
+    ``found_overflow`` is the verdict all ranks agreed on; ``local_overflow``
+    whether this process's own gradients overflowed (defaults to the verdict,
+    as in a single process). It only feeds the ``remote_skipped_steps`` counter.
 
     The rule, with products taken in float64 and rounded to float32::
 
@@ -92,6 +101,7 @@ def next_state(config: ScalerConfig, state: ScalerState, found_overflow: bool) -
             skipped_steps=state.skipped_steps + 1,
             growths=state.growths,
             backoffs=state.backoffs + (scale != state.scale),
+            remote_skipped_steps=state.remote_skipped_steps + (local_overflow is False),
         )
 
     growth_tracker = state.growth_tracker + 1
@@ -110,4 +120,5 @@ def next_state(config: ScalerConfig, state: ScalerState, found_overflow: bool) -
         skipped_steps=state.skipped_steps,
         growths=state.growths + (scale != state.scale),
         backoffs=state.backoffs,
+        remote_skipped_steps=state.remote_skipped_steps,
     )

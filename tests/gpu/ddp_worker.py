@@ -1,0 +1,153 @@
+"""One rank of a multi-process GPU test: python ddp_worker.py SCENARIO RANK WORLD PORT OUTDIR.
+
+Started by tests/gpu/test_multi_gpu.py, one process per GPU; each writes its
+results as JSON to OUTDIR/rank<RANK>.json for the parent to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import cupy
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from cupy_amp import GradScaler, GradScalerCheckpoint  # noqa: E402
+
+
+def init(rank: int, world: int, port: int, out: Path, raw: bool = False) -> object:
+    """Join the group: a cupyx NCCLBackend, or (raw) a bare NcclCommunicator whose id goes through OUTDIR."""
+    cupy.cuda.Device(rank).use()
+    if not raw:
+        from cupyx.distributed import init_process_group
+
+        return init_process_group(world, rank, host="127.0.0.1", port=port)
+    from cupy.cuda import nccl
+
+    id_file = out / "nccl_id.json"
+    if rank == 0:
+        staging = out / "nccl_id.json.tmp"
+        staging.write_text(json.dumps(list(nccl.get_unique_id())))
+        staging.replace(id_file)
+    deadline = time.monotonic() + 60
+    while not id_file.exists():
+        if time.monotonic() > deadline:
+            raise SystemExit("rank 0 never published the NCCL id")
+        time.sleep(0.01)
+    return nccl.NcclCommunicator(world, tuple(json.loads(id_file.read_text())), rank)
+
+
+def stats_row(scaler: GradScaler) -> dict[str, object]:
+    return scaler.stats().to_dict()
+
+
+def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """An inf on rank 0 only at scripted steps; every rank must skip and back off identically."""
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=3, comm=comm)
+    inf_steps = {2, 3, 9, 15}
+    results = {"finite": [], "stats": [], "culprits": []}
+    for step in range(20):
+        grads = {"w": cupy.ones((64, 64), cupy.float16), "b": cupy.ones(64, cupy.float32)}
+        if rank == 0 and step in inf_steps:
+            grads["w"][5, 7] = cupy.inf
+        finite = scaler.unscale_and_check(grads)
+        results["finite"].append(finite)
+        results["culprits"].append(scaler.nonfinite_gradients())
+        scaler.update()
+        results["stats"].append(stats_row(scaler))
+    return results
+
+
+def no_gradients(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """Rank 1 has no gradients at all; it must still take part in every vote."""
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=2, comm=comm)
+    results = {"finite": [], "stats": []}
+    for step in range(10):
+        if rank == 1:
+            grads: list[object] = [] if step % 2 else [None]
+        else:
+            grads = [cupy.ones(1000, cupy.float32)]
+            if step in (1, 6):
+                grads[0][999] = cupy.nan
+        results["finite"].append(scaler.unscale_and_check(grads))
+        scaler.update()
+        results["stats"].append(stats_row(scaler))
+    return results
+
+
+def data_parallel(rank: int, world: int, comm: object, out: Path, use_comm: bool = True) -> dict[str, object]:
+    """200 steps of data-parallel SGD, gradients all-reduced, random rank-local overflow injections."""
+    rng = np.random.default_rng(1234)  # the same schedule of injections on every rank
+    data_rng = np.random.default_rng(100 + rank)  # each rank its own data shard
+    weights = cupy.asarray(np.random.default_rng(7).standard_normal((32, 8)).astype(np.float32))
+    scaler = GradScaler(init_scale=2.0**12, growth_interval=10, comm=comm if use_comm else None)
+    scales = []
+    for _ in range(200):
+        x = cupy.asarray(data_rng.standard_normal((64, 32)).astype(np.float16))
+        y = cupy.asarray(data_rng.standard_normal((64, 8)).astype(np.float16))
+        residual = x @ weights.astype(cupy.float16) - y
+        # The fp16 gradient of the scaled mean squared error (the scale enters as the loss's seed).
+        grad = (x.T @ residual).astype(cupy.float16) * np.float16(scaler.scale_factor() / 64)
+        comm.all_reduce(grad, grad, op="sum")
+        grad /= world
+        injected_rank = int(rng.integers(0, world * 4))  # about one step in four, on one rank
+        if injected_rank == rank:
+            grad[0, 0] = cupy.inf
+        if scaler.unscale_and_check([grad]):
+            weights -= 0.01 * grad.astype(cupy.float32)
+        scaler.update()
+        scales.append(scaler.scale_factor())
+    return {"weights": cupy.asnumpy(weights).tobytes().hex(), "scales": scales, "stats": stats_row(scaler)}
+
+
+def data_parallel_without_comm(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """Negative control: the same run with a scaler that does not vote; ranks must diverge."""
+    return data_parallel(rank, world, comm, out, use_comm=False)
+
+
+def checkpoint_rank0_save(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """Rank 0 saves, a barrier, every rank loads; states must be equal."""
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=2, comm=comm)
+    for step in range(7):
+        grads = [cupy.ones(100, cupy.float32)]
+        if rank == 1 and step == 3:
+            grads[0][0] = cupy.inf
+        scaler.unscale_and_check(grads)
+        scaler.update()
+    path = out / "scaler.ckpt"
+    if rank == 0:
+        scaler.checkpoint().save(path)
+    comm.barrier()
+    restored = GradScaler(comm=comm)
+    restored.load_checkpoint(GradScalerCheckpoint.load(path))
+    return {"own": scaler.checkpoint().to_dict(), "loaded": restored.checkpoint().to_dict()}
+
+
+SCENARIOS = {
+    "scripted_remote_overflow": scripted_remote_overflow,
+    "no_gradients": no_gradients,
+    "data_parallel": data_parallel,
+    "data_parallel_without_comm": data_parallel_without_comm,
+    "checkpoint_rank0_save": checkpoint_rank0_save,
+}
+
+
+def main() -> int:
+    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    raw = scenario.endswith("+raw")
+    name = scenario.removesuffix("+raw")
+    comm = init(rank, world, port, out, raw=raw)
+    if raw and name != "scripted_remote_overflow":
+        raise SystemExit("the raw-communicator variant is only wired for scripted_remote_overflow")
+    result = SCENARIOS[name](rank, world, comm, out)
+    (out / f"rank{rank}.json").write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

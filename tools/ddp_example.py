@@ -1,0 +1,110 @@
+"""Data-parallel FP16 training on every GPU of this machine, one process per GPU, with one shared verdict.
+
+Each rank trains the same small MLP regression on its own data shard;
+gradients are all-reduced with NCCL; each rank's GradScaler gets the
+communicator (``comm=``), so an overflow on any rank makes every rank skip
+the step and back off together. Now and then one rank gets an inf planted in
+its gradients (as a rank-local overflow would be), to show that the others
+follow. Each rank prints its scale trajectory; the launcher checks that all
+ranks ended with identical weights and scales.
+
+Usage: python tools/ddp_example.py [--gpus N] [--steps 300]
+Needs CuPy with NCCL (cupy-cuda12x/13x and nvidia-nccl) and N >= 2 GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def train(rank: int, world: int, port: int, steps: int, results: mp.Queue) -> None:
+    import cupy
+    from cupyx.distributed import init_process_group
+
+    from cupy_amp import GradScaler
+
+    cupy.cuda.Device(rank).use()
+    comm = init_process_group(world, rank, host="127.0.0.1", port=port)
+    init = np.random.default_rng(0)  # identical initial weights on every rank
+    w1 = cupy.asarray(init.standard_normal((64, 128)).astype(np.float32) * 0.1)
+    w2 = cupy.asarray(init.standard_normal((128, 1)).astype(np.float32) * 0.1)
+    data = np.random.default_rng(1 + rank)  # each rank its own shard
+    injections = np.random.default_rng(99)  # the same injection schedule everywhere
+    scaler = GradScaler(init_scale=2.0**16, growth_interval=25, comm=comm)
+    trajectory = []
+    for step in range(steps):
+        x = cupy.asarray(data.standard_normal((256, 64)).astype(np.float16))
+        y = cupy.sin(x[:, :1].astype(cupy.float32) * 3).astype(cupy.float16)
+        # Forward and backward in fp16, the loss gradient seeded with the scale.
+        h = cupy.maximum(x @ w1.astype(cupy.float16), 0)
+        out = h @ w2.astype(cupy.float16)
+        seed = (out - y) * np.float16(2 * scaler.scale_factor() / out.size)
+        g2 = h.T @ seed
+        g1 = x.T @ ((seed @ w2.astype(cupy.float16).T) * (h > 0))
+        for grad in (g1, g2):
+            comm.all_reduce(grad, grad, op="sum")
+            grad /= np.float16(world)
+        if int(injections.integers(0, 20)) == 0 and rank == int(injections.integers(0, world)):
+            g1[0, 0] = cupy.inf  # a rank-local overflow
+        if scaler.unscale_and_check({"w1": g1, "w2": g2}):
+            w1 -= 0.05 * g1.astype(cupy.float32)
+            w2 -= 0.05 * g2.astype(cupy.float32)
+        scaler.update()
+        stats = scaler.stats()
+        trajectory.append(stats.scale)
+        if stats.last_overflow != "none" or step % 50 == 0:
+            print(
+                f"rank {rank} step {step:4d} scale {stats.scale:>9g} skipped {stats.skipped_steps:3d} "
+                f"overflow {stats.last_overflow:6} culprits {scaler.nonfinite_gradients()}",
+                flush=True,
+            )
+    checksum = float(cupy.abs(w1).sum() + cupy.abs(w2).sum())
+    results.put((rank, trajectory, cupy.asnumpy(w1).tobytes() + cupy.asnumpy(w2).tobytes(), checksum))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", type=int, default=0, help="processes/GPUs to use (default: all)")
+    parser.add_argument("--steps", type=int, default=300)
+    args = parser.parse_args(argv)
+    import cupy
+
+    world = args.gpus or cupy.cuda.runtime.getDeviceCount()
+    if world < 2:
+        print(f"ddp_example: needs at least 2 GPUs, found {world}", file=sys.stderr)
+        return 2
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    context = mp.get_context("spawn")
+    results: mp.Queue = context.Queue()
+    procs = [context.Process(target=train, args=(r, world, port, args.steps, results)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    finished = sorted(results.get(timeout=600) for _ in procs)
+    for proc in procs:
+        proc.join()
+    trajectories = [t for _, t, _, _ in finished]
+    weights = [w for _, _, w, _ in finished]
+    agree = all(t == trajectories[0] for t in trajectories) and all(w == weights[0] for w in weights)
+    for rank, trajectory, _, checksum in finished:
+        changes = [(i, s) for i, s in enumerate(trajectory) if i == 0 or s != trajectory[i - 1]]
+        print(f"rank {rank}: final scale {trajectory[-1]:g}, |w| sum {checksum:.6f}, scale changes {changes[:12]}")
+    print(f"all {world} ranks agree on every scale and on the final weights: {agree}")
+    return 0 if agree and all(p.exitcode == 0 for p in procs) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
