@@ -1,9 +1,9 @@
-"""The checkpoint file format: a checksummed msgpack document, version 1.
+"""The checkpoint file format: a checksummed msgpack document, version 2.
 
 A file is one msgpack map with exactly four entries, always in this order::
 
     "format"  -> "cupy-amp.grad-scaler"
-    "version" -> 1                      (an int; never a bool)
+    "version" -> 2                      (an int; never a bool)
     "payload" -> {field name: value}    (nil, bool, int or float64 values)
     "crc32"   -> CRC-32 of every byte before this value, as a msgpack uint32
 
@@ -18,6 +18,23 @@ make the parser allocate much, and refuses duplicate keys, non-string keys,
 ext types and trailing bytes. Which values each field accepts is decided by
 :class:`~cupy_amp.checkpoint.GradScalerCheckpoint`, not here.
 
+Versions:
+
+1. The 15 fields of a single-process scaler: ``scale``, ``growth_factor``,
+   ``backoff_factor``, ``growth_interval``, ``consecutive_good_steps``,
+   ``found_overflow``, ``enabled``, ``min_scale``, ``max_scale``,
+   ``hysteresis``, ``hysteresis_tracker``, ``steps``, ``skipped_steps``,
+   ``growths``, ``backoffs``.
+2. Adds two fields for multi-process training, 17 in all:
+   ``found_overflow_local`` (after ``found_overflow``: whether this process's
+   own gradients overflowed) and ``remote_skipped_steps`` (last: skipped steps
+   whose overflow was on another rank only). A version-1 payload must hold
+   exactly the version-1 fields and is upgraded with ``found_overflow_local =
+   found_overflow`` (a single process's overflow is always its own) and
+   ``remote_skipped_steps = 0``.
+
+Files are always written in the current version, :data:`FORMAT_VERSION`.
+
 Nothing in this module touches a device.
 """
 
@@ -30,6 +47,7 @@ import os
 import secrets
 import zlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import msgpack
 
@@ -44,6 +62,8 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_CHECKPOINT_BYTES",
+    "DecodedDocument",
+    "decode_document",
     "decode_fields",
     "describe_source",
     "encode_fields",
@@ -54,7 +74,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "cupy-amp.grad-scaler"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_CHECKPOINT_BYTES = 1 << 20
 
 # Why CRC-32: the checksum is there to catch torn writes, truncation and bit
@@ -67,7 +87,7 @@ _CRC_MARKER = 0xCE  # msgpack's uint32 type byte: the CRC-32 is always written w
 _TRAILER_BYTES = 5
 _ENVELOPE_ENTRIES = 4
 
-# Version 1 holds no arrays, binaries or exts and fewer than 20 fields; the
+# Versions 1 and 2 hold no arrays, binaries or exts and fewer than 20 fields; the
 # limits leave a little room so that a value of the wrong kind is reported by
 # field name rather than as unreadable bytes. Ext types are refused outright
 # (max_ext_len stops long ones before they are read, _refuse_ext empty ones).
@@ -82,12 +102,83 @@ _UNPACK_LIMITS = {
 _ENCODABLE_TYPES = (type(None), bool, int, float)
 _INT_RANGE = (-(2**63), 2**64 - 1)  # what a msgpack int can hold
 
+# The payload fields of version 1, in the order its encoder wrote them. Frozen:
+# this is what a version-1 file holds, whatever later versions add.
+_V1_FIELDS = (
+    "scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "consecutive_good_steps",
+    "found_overflow",
+    "enabled",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "growths",
+    "backoffs",
+)
+
+
+def _upgrade_v1_payload(fields: dict[str, object]) -> dict[str, object]:
+    """Return the version-2 fields of a version-1 payload (a new dict, in version-2 order).
+
+    Raises:
+        CheckpointFieldError: The payload does not hold exactly the version-1
+            fields (one missing, or one version 1 does not have, the version-2
+            fields included).
+    """
+    _expect_exact_fields(fields, _V1_FIELDS, version=1)
+    upgraded: dict[str, object] = {}
+    for name in _V1_FIELDS:
+        upgraded[name] = fields[name]
+        if name == "found_overflow":
+            # One process: every overflow it saw was in its own gradients. A
+            # non-bool found_overflow is copied as is and reported under its own
+            # name by GradScalerCheckpoint, which checks found_overflow first.
+            upgraded["found_overflow_local"] = fields[name]
+    upgraded["remote_skipped_steps"] = 0
+    return upgraded
+
+
+def _expect_exact_fields(fields: Mapping[str, object], expected: tuple[str, ...], *, version: int) -> None:
+    missing = [name for name in expected if name not in fields]
+    unknown = sorted(repr(name) for name in fields if name not in expected)
+    if missing:
+        raise CheckpointFieldError(
+            f"Invalid checkpoint: missing field(s) {', '.join(map(repr, missing))} of format version {version}."
+        )
+    if unknown:
+        raise CheckpointFieldError(
+            f"Invalid checkpoint: unknown field(s) {', '.join(unknown)} for format version {version}."
+        )
+
+
 # Payload migrations: _MIGRATIONS[v] turns the payload fields of format version
-# v into those of version v + 1, so a file of any older version is read as the
-# current one. Version 1 is the first version, hence the empty table; a change
-# to the fields means FORMAT_VERSION + 1 and an entry here, never an edit of
-# what version 1 means.
-_MIGRATIONS: dict[int, Callable[[dict[str, object]], dict[str, object]]] = {}
+# v into those of version v + 1 (a new dict; the argument is left alone), so a
+# file of any older version is read as the current one. A migration checks that
+# it was given exactly version v's fields and raises CheckpointFieldError
+# otherwise; the values are judged after the last migration, by
+# GradScalerCheckpoint. A change to the fields means FORMAT_VERSION + 1 and an
+# entry here, never an edit of what an earlier version means.
+_MIGRATIONS: dict[int, Callable[[dict[str, object]], dict[str, object]]] = {1: _upgrade_v1_payload}
+
+
+@dataclass(frozen=True)
+class DecodedDocument:
+    """A decoded checkpoint document.
+
+    Attributes:
+        version: The format version the document was written in (1 to
+            :data:`FORMAT_VERSION`).
+        fields: Its payload fields, upgraded to :data:`FORMAT_VERSION`.
+    """
+
+    version: int
+    fields: dict[str, object]
 
 
 class _Malformed(Exception):
@@ -119,7 +210,7 @@ def describe_source(source: str | os.PathLike[str] | None) -> str:
 
 
 def encode_fields(fields: Mapping[str, object]) -> bytes:
-    """Encode checkpoint fields as a version-1 document.
+    """Encode checkpoint fields as a document of the current version, :data:`FORMAT_VERSION`.
 
     The encoding is deterministic: maps keep the given order, ints take
     msgpack's shortest form, every float is a float64 (so a float32 scale and
@@ -163,9 +254,22 @@ def decode_fields(
 ) -> dict[str, object]:
     """Parse a document and return its payload fields, migrated to the current version.
 
+    The same as ``decode_document(data, source=source).fields``; see
+    :func:`decode_document` for the checks and errors.
+    """
+    return decode_document(data, source=source).fields
+
+
+def decode_document(
+    data: bytes | bytearray | memoryview, *, source: str | os.PathLike[str] | None = None
+) -> DecodedDocument:
+    """Parse a document; return the version it was written in and its fields, migrated to the current version.
+
     The checks run in this order: size, envelope start (``format``), CRC-32,
-    ``version``, then the payload's structure. The values themselves are
-    checked by :meth:`GradScalerCheckpoint.from_dict`.
+    ``version``, the payload's structure, then, for an older version, that
+    the payload holds exactly that version's fields (checked by its
+    migration). The values themselves are checked by
+    :meth:`GradScalerCheckpoint.from_dict`.
 
     Args:
         data: The whole document.
@@ -176,12 +280,15 @@ def decode_fields(
             cupy-amp checkpoint, fail the checksum, or are structured wrongly
             (missing, extra, duplicate or non-string keys, trailing bytes).
         CheckpointVersionError: The file was written by a newer format version.
-        CheckpointFieldError: A payload value is a container or binary rather than a scalar.
+        CheckpointFieldError: A payload value is a container or binary rather
+            than a scalar, or an older version's payload lacks one of its
+            fields or holds one it does not have.
         ArgumentTypeError: ``data`` is not a bytes-like object (a ``TypeError``).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ArgumentTypeError(f"Expected the checkpoint as bytes, got {type(data).__name__}.")
     where = describe_source(source)
+    located = "" if source is None else f"{where}: "
     size = data.nbytes if isinstance(data, memoryview) else len(data)
     if size > MAX_CHECKPOINT_BYTES:
         raise CheckpointCorruptError(f"{where}: {_too_large(f'{size} bytes')}")
@@ -196,13 +303,15 @@ def decode_fields(
             f"(up to version {FORMAT_VERSION}); upgrade cupy-amp to load it."
         ) from None
     except _NotAScalar as exc:
-        located = "" if source is None else f"{where}: "
         raise CheckpointFieldError(
             f"{located}Invalid {exc.name!r}: expected nil, a bool, an int or a float, got {exc.kind}."
         ) from None
-    for older in range(version, FORMAT_VERSION):
-        fields = _MIGRATIONS[older](fields)
-    return fields
+    try:
+        for older in range(version, FORMAT_VERSION):
+            fields = _MIGRATIONS[older](fields)
+    except CheckpointFieldError as exc:
+        raise CheckpointFieldError(f"{located}{exc}") from None
+    return DecodedDocument(version=version, fields=fields)
 
 
 def read_checkpoint_file(path: str | os.PathLike[str]) -> bytes:

@@ -4,10 +4,18 @@ Subcommands::
 
     cupy-amp inspect FILE [--json]   print a checkpoint's fields
     cupy-amp validate FILE...        check that files are intact, valid checkpoints
+    cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
-Exit status: 0 on success, 1 when a file is missing, unreadable or invalid,
-2 on a usage error. Errors are one line on stderr, never a traceback. Nothing
-here touches a device.
+Both read every format version up to the current one. ``inspect`` shows the
+version the file was written in and the fields as this cupy-amp reads them,
+that is after upgrading an older file (a version-1 file shows
+``found_overflow_local`` equal to ``found_overflow`` and
+``remote_skipped_steps`` 0); the file itself is never rewritten.
+
+Exit status: 0 on success, 1 when a file is missing, unreadable or invalid
+(for ``demo``: when the run cannot start or fails), 2 on a usage error.
+Errors are one line on stderr, never a traceback. Only ``demo`` touches a
+device; its modules (and CuPy, for the GPU) are imported only when it runs.
 """
 
 from __future__ import annotations
@@ -20,8 +28,15 @@ from collections.abc import Callable, Sequence
 from typing import TextIO
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION, describe_source
-from cupy_amp.errors import CheckpointError
+from cupy_amp.checkpoint_format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    decode_document,
+    describe_source,
+    read_checkpoint_file,
+)
+from cupy_amp.demo import options as demo_options
+from cupy_amp.errors import CheckpointError, CheckpointFieldError
 
 __all__ = ["main"]
 
@@ -44,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cupy-amp",
-        description="Inspect and validate cupy-amp GradScaler checkpoint files.",
+        description="Inspect and validate cupy-amp GradScaler checkpoint files, or run the demo.",
     )
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
@@ -57,7 +72,8 @@ def _build_parser() -> argparse.ArgumentParser:
     inspect.add_argument(
         "--json",
         action="store_true",
-        help='print {"format": ..., "version": ..., "fields": {...}} as JSON; floats are exact',
+        help='print {"format": ..., "version": ..., "fields": {...}} as JSON: the version the file was written in, '
+        "the fields as read (an older file upgraded to the current version); floats are exact",
     )
     inspect.set_defaults(command=_inspect)
 
@@ -69,33 +85,60 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("files", metavar="FILE", nargs="+", help="checkpoint files to check")
     validate.set_defaults(command=_validate)
+
+    demo = subcommands.add_parser(
+        "demo",
+        help="train a small fp16 classifier with the loss scaler, on the CPU or a GPU",
+        description=demo_options.DESCRIPTION,
+        epilog=demo_options.EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo_options.add_arguments(demo)
+    demo.set_defaults(command=_demo)
     return parser
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from cupy_amp.demo.command import run
+
+    return run(args, sys.stdout, sys.stderr)
 
 
 class _Unreadable(Exception):
     """Internal: the file could not be opened or read."""
 
 
-def _load(path: str) -> GradScalerCheckpoint:
-    """Load a checkpoint; an OSError becomes _Unreadable with a one-line message."""
+def _load(path: str) -> tuple[int, GradScalerCheckpoint]:
+    """Return the format version a checkpoint file was written in, and the checkpoint it holds.
+
+    Checks exactly what :meth:`GradScalerCheckpoint.load` checks, with the same
+    messages, reading the file once. An OSError becomes _Unreadable with a
+    one-line message.
+    """
     try:
-        return GradScalerCheckpoint.load(path)
+        data = read_checkpoint_file(path)
     except OSError as exc:
         raise _Unreadable(f"{describe_source(path)}: cannot read: {exc.strerror or exc}.") from None
+    document = decode_document(data, source=path)
+    try:
+        checkpoint = GradScalerCheckpoint.from_dict(document.fields)
+    except CheckpointFieldError as exc:
+        raise CheckpointFieldError(f"{describe_source(path)}: {exc}") from None
+    return document.version, checkpoint
 
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        checkpoint = _load(args.file)
+        version, checkpoint = _load(args.file)
     except (CheckpointError, _Unreadable) as exc:
         print(f"cupy-amp inspect: {exc}", file=sys.stderr)
         return EXIT_INVALID
     fields = checkpoint.to_dict()
     if args.json:
-        document = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "fields": fields}
+        document = {"format": FORMAT_NAME, "version": version, "fields": fields}
         print(json.dumps(document, indent=2, allow_nan=False))
     else:
-        _print_fields(args.file, fields, sys.stdout)
+        _print_fields(args.file, version, fields, sys.stdout)
     return EXIT_OK
 
 
@@ -112,8 +155,9 @@ def _validate(args: argparse.Namespace) -> int:
     return status
 
 
-def _print_fields(path: str, fields: dict[str, object], out: TextIO) -> None:
-    rows = [("file", path), ("format", f"{FORMAT_NAME} version {FORMAT_VERSION}")]
+def _print_fields(path: str, version: int, fields: dict[str, object], out: TextIO) -> None:
+    upgraded = "" if version == FORMAT_VERSION else f" (fields upgraded to version {FORMAT_VERSION})"
+    rows = [("file", path), ("format", f"{FORMAT_NAME} version {version}{upgraded}")]
     rows += [(name, _format_value(name, value)) for name, value in fields.items()]
     width = max(len(name) for name, _ in rows) + 1
     for name, text in rows:

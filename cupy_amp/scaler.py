@@ -64,8 +64,10 @@ class GradScaler:
             (``cupyx.distributed.NCCLBackend`` or ``cupy.cuda.nccl.NcclCommunicator``)
             or any :class:`~cupy_amp.distributed.OverflowVote`. Every
             ``unscale_and_check`` then all-reduces the overflow flag (MAX) before
-            reading it, so all ranks skip and adapt together; every rank must make
-            the same calls (a rank without gradients passes an empty list).
+            reading it, so all ranks skip and adapt together. Every rank must make
+            the same calls and agree on ``enabled`` (a rank without gradients
+            passes an empty list); a call rejected on one rank still votes
+            "overflow", so the other ranks skip that step instead of hanging.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -171,6 +173,35 @@ class GradScaler:
         """
         if not self._enabled:
             return True
+        try:
+            batch, plan = self._validated(gradients)
+        except Exception:
+            if self._vote is not None:
+                # The other ranks are waiting in this call's vote: vote "overflow" so they
+                # skip this step instead of hanging, then report the error here.
+                self._vote.host_vote(True)
+            raise
+
+        check = plan.run(batch.arrays, inverse_scale(self._state.scale), self._vote) if plan is not None else None
+        if check is not None:
+            overflowed, local = check.found_overflow(), check.local_overflow()
+        else:  # nothing to check here; with a communicator this rank still votes
+            overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
+
+        if not self._step_open:
+            self._step_open = True
+            self._found_overflow = False
+            self._found_overflow_local = False
+            self._calls = []
+            self._step_batches = []
+        self._step_batches.append(batch)
+        self._calls.append(_CheckedCall(batch.labels, check, local))
+        self._found_overflow = self._found_overflow or overflowed
+        self._found_overflow_local = self._found_overflow_local or local
+        return not overflowed
+
+    def _validated(self, gradients: Any) -> tuple[GradientBatch, UnscalePlan | None]:
+        """Return the validated batch and the backend's plan for it (reused when seen before)."""
         known = self._prepared.lookup(gradients)
         if known is not None:
             prepared, arrays = known
@@ -185,27 +216,9 @@ class GradScaler:
             plan = batch.backend.prepare(batch.arrays) if batch.backend is not None and batch.arrays else None
             if plan is not None:
                 self._prepared.store(gradients, batch, plan)
-        new_step = not self._step_open
-        if not new_step:
+        if self._step_open:
             check_disjoint([*self._step_batches, batch])
-
-        check = plan.run(batch.arrays, inverse_scale(self._state.scale), self._vote) if plan is not None else None
-        if check is not None:
-            overflowed, local = check.found_overflow(), check.local_overflow()
-        else:  # nothing to check here; with a communicator this rank still votes
-            overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
-
-        if new_step:
-            self._step_open = True
-            self._found_overflow = False
-            self._found_overflow_local = False
-            self._calls = []
-            self._step_batches = []
-        self._step_batches.append(batch)
-        self._calls.append(_CheckedCall(batch.labels, check, local))
-        self._found_overflow = self._found_overflow or overflowed
-        self._found_overflow_local = self._found_overflow_local or local
-        return not overflowed
+        return batch, plan
 
     def update(self) -> None:
         """End the step: back off after an overflow, grow after enough clean steps.

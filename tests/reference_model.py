@@ -41,7 +41,13 @@ class RefConfig:
 
 @dataclass
 class RefScaler:
-    """The update rule of the spec, one step at a time."""
+    """The update rule of the spec, one step at a time, in a single process.
+
+    A single process has no other ranks, so every overflow is local:
+    ``found_overflow_local`` equals ``found_overflow`` and
+    ``remote_skipped_steps`` stays 0 (it is tracked all the same, so a rule
+    that counted a local skip as remote would show).
+    """
 
     config: RefConfig
     enabled: bool = True
@@ -52,6 +58,8 @@ class RefScaler:
     skipped_steps: int = field(init=False, default=0)
     growths: int = field(init=False, default=0)
     backoffs: int = field(init=False, default=0)
+    remote_skipped_steps: int = field(init=False, default=0)
+    found_overflow: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
         self.scale = f32(self.config.init_scale)
@@ -65,6 +73,14 @@ class RefScaler:
     def max_scale(self) -> float | None:
         return None if self.config.max_scale is None else f32(self.config.max_scale)
 
+    @property
+    def found_overflow_local(self) -> bool:
+        return self.found_overflow
+
+    @property
+    def last_overflow(self) -> str:
+        return "local" if self.found_overflow_local else "none"
+
     def scale_factor(self) -> float:
         return self.scale if self.enabled else 1.0
 
@@ -73,9 +89,12 @@ class RefScaler:
         if not self.enabled:
             return
         self.steps += 1
+        self.found_overflow = overflow
         old = self.scale
         if overflow:
             self.skipped_steps += 1
+            if not self.found_overflow_local:
+                self.remote_skipped_steps += 1
             self.consecutive_good_steps = 0
             if self.hysteresis_tracker > 0:
                 self.hysteresis_tracker -= 1
@@ -111,6 +130,30 @@ class RefScaler:
             "skipped_steps": self.skipped_steps,
             "growths": self.growths,
             "backoffs": self.backoffs,
+            "remote_skipped_steps": self.remote_skipped_steps,
+            "last_overflow": self.last_overflow,
+        }
+
+    def checkpoint_dict(self) -> dict[str, Any]:
+        """Return what ``GradScaler.checkpoint().to_dict()`` should return."""
+        return {
+            "scale": self.scale,
+            "growth_factor": self.config.growth_factor,
+            "backoff_factor": self.config.backoff_factor,
+            "growth_interval": self.config.growth_interval,
+            "consecutive_good_steps": self.consecutive_good_steps,
+            "found_overflow": self.found_overflow,
+            "found_overflow_local": self.found_overflow_local,
+            "enabled": self.enabled,
+            "min_scale": self.min_scale,
+            "max_scale": self.max_scale,
+            "hysteresis": self.config.hysteresis,
+            "hysteresis_tracker": self.hysteresis_tracker,
+            "steps": self.steps,
+            "skipped_steps": self.skipped_steps,
+            "growths": self.growths,
+            "backoffs": self.backoffs,
+            "remote_skipped_steps": self.remote_skipped_steps,
         }
 
 

@@ -26,7 +26,6 @@ COMMON: dict[str, Any] = {
     "growth_factor": 2.0,
     "backoff_factor": 0.5,
     "growth_interval": 2000,
-    "found_overflow": False,
     "enabled": True,
     "hysteresis": 1,
     "hysteresis_tracker": 1,
@@ -41,6 +40,9 @@ FIRST = GradScalerCheckpoint(
     skipped_steps=1,
     growths=0,
     backoffs=1,
+    found_overflow=False,
+    found_overflow_local=False,
+    remote_skipped_steps=0,
     **COMMON,
 )
 SECOND = GradScalerCheckpoint(
@@ -52,6 +54,9 @@ SECOND = GradScalerCheckpoint(
     skipped_steps=2**33,
     growths=2**20,
     backoffs=2**19,
+    found_overflow=True,
+    found_overflow_local=False,
+    remote_skipped_steps=2**18,
     **COMMON,
 )
 

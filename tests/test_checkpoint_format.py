@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import hashlib
 import io
 import json
 import math
@@ -27,7 +29,7 @@ from hypothesis import strategies as st
 
 from cupy_amp import checkpoint_format
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION, MAX_CHECKPOINT_BYTES
+from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION, MAX_CHECKPOINT_BYTES, decode_document
 from cupy_amp.errors import (
     CheckpointCorruptError,
     CheckpointError,
@@ -37,14 +39,17 @@ from cupy_amp.errors import (
 
 DATA = Path(__file__).parent / "data"
 GOLDEN_V1 = DATA / "grad_scaler_v1.ckpt"
+GOLDEN_V2 = DATA / "grad_scaler_v2.ckpt"
+GOLDEN_FILES = [GOLDEN_V1, GOLDEN_V2]
 U64_MAX = 2**64 - 1
 F32_MAX = float(np.finfo(np.float32).max)
 F32_TINIEST = float(np.finfo(np.float32).smallest_subnormal)
 
-# The checkpoint stored in tests/data/grad_scaler_v1.ckpt. Chosen so the file
-# exercises every encoding the format uses: a float32 power-of-two scale, a
-# float64 factor float32 cannot hold (0.8), a nil clamp, a uint64 counter.
-GOLDEN_FIELDS: dict[str, Any] = {
+# The payload stored in tests/data/grad_scaler_v1.ckpt, as written by the
+# version-1 encoder. Chosen so the file exercises every encoding the format
+# uses: a float32 power-of-two scale, a float64 factor float32 cannot hold
+# (0.8), a nil clamp, a uint64 counter.
+GOLDEN_V1_PAYLOAD: dict[str, Any] = {
     "scale": 32768.0,
     "growth_factor": 2.0,
     "backoff_factor": 0.8,
@@ -61,7 +66,50 @@ GOLDEN_FIELDS: dict[str, Any] = {
     "growths": 40,
     "backoffs": 12,
 }
-BOOL_FIELDS = ("found_overflow", "enabled")
+# What grad_scaler_v1.ckpt reads as today: the version-1 payload upgraded to
+# version 2 (found_overflow_local = found_overflow, remote_skipped_steps = 0).
+GOLDEN_V1_FIELDS: dict[str, Any] = {
+    "scale": 32768.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.8,
+    "growth_interval": 2000,
+    "consecutive_good_steps": 1234,
+    "found_overflow": True,
+    "found_overflow_local": True,
+    "enabled": True,
+    "min_scale": 2.0**-14,
+    "max_scale": None,
+    "hysteresis": 2,
+    "hysteresis_tracker": 1,
+    "steps": 5_000_000_000,
+    "skipped_steps": 300,
+    "growths": 40,
+    "backoffs": 12,
+    "remote_skipped_steps": 0,
+}
+# The checkpoint stored in tests/data/grad_scaler_v2.ckpt: the same encodings
+# as version 1, plus the version-2 fields with values a version-1 file cannot
+# yield (an overflow on another rank only, three remote skips).
+GOLDEN_FIELDS: dict[str, Any] = {
+    "scale": 32768.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.8,
+    "growth_interval": 2000,
+    "consecutive_good_steps": 0,
+    "found_overflow": True,
+    "found_overflow_local": False,
+    "enabled": True,
+    "min_scale": 2.0**-14,
+    "max_scale": None,
+    "hysteresis": 2,
+    "hysteresis_tracker": 1,
+    "steps": 5_000_000_000,
+    "skipped_steps": 300,
+    "growths": 40,
+    "backoffs": 12,
+    "remote_skipped_steps": 3,
+}
+BOOL_FIELDS = ("found_overflow", "found_overflow_local", "enabled")
 INT_FIELDS = (
     "growth_interval",
     "consecutive_good_steps",
@@ -71,6 +119,7 @@ INT_FIELDS = (
     "skipped_steps",
     "growths",
     "backoffs",
+    "remote_skipped_steps",
 )
 FLOAT_FIELDS = ("scale", "growth_factor", "backoff_factor", "min_scale", "max_scale")
 
@@ -120,6 +169,11 @@ def document(
     return seal(body)
 
 
+def v1_document(fields: dict[str, Any] | None = None) -> bytes:
+    """A sealed version-1 document, laid out as the version-1 encoder wrote it (default: GOLDEN_V1_PAYLOAD)."""
+    return document(fields=GOLDEN_V1_PAYLOAD if fields is None else fields, version=packb(1))
+
+
 def float_bits(value: float) -> bytes:
     return struct.pack("<d", value)
 
@@ -149,13 +203,15 @@ def checkpoints(draw: st.DrawFn) -> GradScalerCheckpoint:
     hysteresis = draw(st.integers(1, U64_MAX))
     steps = draw(st.integers(0, U64_MAX))
     skipped = draw(st.integers(0, steps))
+    found_overflow = draw(st.booleans())
     return GradScalerCheckpoint(
         scale=scale,
         growth_factor=draw(st.floats(min_value=1.0, exclude_min=True, allow_nan=False, allow_infinity=False)),
         backoff_factor=draw(st.floats(min_value=0.0, max_value=1.0, exclude_min=True, exclude_max=True)),
         growth_interval=growth_interval,
         consecutive_good_steps=draw(st.integers(0, growth_interval - 1)),
-        found_overflow=draw(st.booleans()),
+        found_overflow=found_overflow,
+        found_overflow_local=draw(st.booleans()) if found_overflow else False,
         enabled=draw(st.booleans()),
         min_scale=min_scale,
         max_scale=max_scale,
@@ -165,6 +221,7 @@ def checkpoints(draw: st.DrawFn) -> GradScalerCheckpoint:
         skipped_steps=skipped,
         growths=draw(st.integers(0, steps - skipped)),
         backoffs=draw(st.integers(0, skipped)),
+        remote_skipped_steps=draw(st.integers(0, skipped)),
     )
 
 
@@ -181,7 +238,9 @@ def with_fields(**changes: Any) -> GradScalerCheckpoint:
 @example(with_fields(scale=F32_TINIEST * 3, min_scale=F32_TINIEST, max_scale=F32_TINIEST * 3))
 @example(with_fields(scale=F32_MAX, min_scale=None, max_scale=None))
 @example(with_fields(growth_factor=sys.float_info.max, backoff_factor=5e-324))
-@example(with_fields(steps=U64_MAX, skipped_steps=U64_MAX, backoffs=U64_MAX, growths=0))
+@example(with_fields(steps=U64_MAX, skipped_steps=U64_MAX, backoffs=U64_MAX, growths=0, remote_skipped_steps=U64_MAX))
+@example(with_fields(found_overflow=False, found_overflow_local=False, remote_skipped_steps=0))
+@example(with_fields(found_overflow=True, found_overflow_local=True))
 def test_round_trip_is_exact_and_deterministic(checkpoint: GradScalerCheckpoint) -> None:
     data = checkpoint.to_bytes()
     decoded = GradScalerCheckpoint.from_bytes(data)
@@ -193,7 +252,10 @@ def test_round_trip_is_exact_and_deterministic(checkpoint: GradScalerCheckpoint)
 
 def test_save_then_load_returns_the_same_checkpoint(tmp_path: Path) -> None:
     target = tmp_path / "scaler.ckpt"
-    for checkpoint in (golden(), with_fields(scale=0.0, min_scale=None, found_overflow=False)):
+    for checkpoint in (
+        golden(),
+        with_fields(scale=0.0, min_scale=None, found_overflow=False, found_overflow_local=False),
+    ):
         checkpoint.save(target)
         assert_identical(GradScalerCheckpoint.load(target), checkpoint)
         assert GradScalerCheckpoint.load(str(target)) == checkpoint
@@ -209,39 +271,255 @@ def test_every_float_is_written_as_float64() -> None:
         assert marker in golden().to_bytes(), name
 
 
-# The golden file. It was written once by the version-1 encoder and must never
-# be regenerated: if this test fails, the encoder no longer writes version 1.
-# A change to the format is a new FORMAT_VERSION (plus a migration for version
-# 1 files and a new golden file), never an edit of this one.
+# The golden files. Each was written once, by the encoder of its version, and
+# must never be regenerated or edited: grad_scaler_v1.ckpt by version 1 (whose
+# encoder no longer exists), grad_scaler_v2.ckpt by version 2. If the version-2
+# test fails, the encoder no longer writes version 2. Changing the format means
+# a new FORMAT_VERSION, a migration from the previous version
+# (checkpoint_format._MIGRATIONS), a new golden file and its tests, never a
+# regenerated one; the older golden files keep checking that their versions
+# still decode.
+
+GOLDEN_SHA256 = {
+    GOLDEN_V1: "4c61e4a17341da7314c582ec61b18672e85ce78f36ff6b670dc7cb3a33a45caa",
+    GOLDEN_V2: "fb4d60acd11c34f1870d6ab5e32bb0b656c1fc9569f7486e0040f0d5c673648e",
+}
 
 
-def test_encoder_writes_the_golden_version_1_bytes() -> None:
-    assert golden().to_bytes() == GOLDEN_V1.read_bytes()
+@pytest.mark.parametrize("path", GOLDEN_FILES, ids=lambda path: path.name)
+def test_golden_files_are_unchanged(path: Path) -> None:
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == GOLDEN_SHA256[path]
 
 
-def test_decoder_reads_the_golden_version_1_file() -> None:
+def test_golden_version_1_file_holds_the_version_1_payload() -> None:
+    envelope = msgpack.unpackb(GOLDEN_V1.read_bytes()[:-5] + b"\x00", raw=False)
+    assert envelope["version"] == 1
+    assert envelope["payload"] == GOLDEN_V1_PAYLOAD
+    assert list(envelope["payload"]) == list(GOLDEN_V1_PAYLOAD)
+
+
+def test_decoder_reads_the_golden_version_1_file_through_the_migration() -> None:
+    document = decode_document(GOLDEN_V1.read_bytes())
+    assert document.version == 1
+    assert document.fields == GOLDEN_V1_FIELDS
+    assert list(document.fields) == list(GOLDEN_V1_FIELDS)
     loaded = GradScalerCheckpoint.load(GOLDEN_V1)
+    assert loaded.to_dict() == GOLDEN_V1_FIELDS
+    assert_identical(loaded, GradScalerCheckpoint(**GOLDEN_V1_FIELDS))
+
+
+def test_golden_version_1_file_is_rewritten_in_version_2() -> None:
+    upgraded = GradScalerCheckpoint.load(GOLDEN_V1).to_bytes()
+    assert decode_document(upgraded).version == FORMAT_VERSION == 2
+    assert upgraded == document(fields=GOLDEN_V1_FIELDS)
+
+
+def test_encoder_writes_the_golden_version_2_bytes() -> None:
+    assert golden().to_bytes() == GOLDEN_V2.read_bytes()
+
+
+def test_decoder_reads_the_golden_version_2_file() -> None:
+    document = decode_document(GOLDEN_V2.read_bytes())
+    assert document.version == 2
+    assert document.fields == GOLDEN_FIELDS
+    loaded = GradScalerCheckpoint.load(GOLDEN_V2)
     assert loaded.to_dict() == GOLDEN_FIELDS
+    assert list(loaded.to_dict()) == list(GOLDEN_FIELDS)
     assert_identical(loaded, golden())
 
 
 def test_test_helper_builds_the_same_bytes_as_the_encoder() -> None:
     # The hand-built documents below are only meaningful if a valid one matches the encoder.
-    assert document() == GOLDEN_V1.read_bytes()
+    assert document() == GOLDEN_V2.read_bytes()
+    assert v1_document() == GOLDEN_V1.read_bytes()
+
+
+# Version 1 files: upgraded by the migration, which accepts exactly the version-1 fields.
+
+
+@given(checkpoints())
+def test_version_1_document_reads_as_the_single_process_checkpoint(checkpoint: GradScalerCheckpoint) -> None:
+    fields = checkpoint.to_dict()
+    data = v1_document({name: fields[name] for name in GOLDEN_V1_PAYLOAD})
+    decoded = GradScalerCheckpoint.from_bytes(data)
+    expected = dataclasses.replace(checkpoint, found_overflow_local=checkpoint.found_overflow, remote_skipped_steps=0)
+    assert_identical(decoded, expected)
+    assert decode_document(data).version == 1
+
+
+@pytest.mark.parametrize("found_overflow", [False, True])
+def test_version_1_overflow_is_local(found_overflow: bool) -> None:
+    data = v1_document({**GOLDEN_V1_PAYLOAD, "found_overflow": found_overflow})
+    decoded = GradScalerCheckpoint.from_bytes(data)
+    assert decoded.found_overflow is found_overflow
+    assert decoded.found_overflow_local is found_overflow
+    assert decoded.remote_skipped_steps == 0
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"found_overflow_local": True},
+        {"found_overflow_local": False},
+        {"remote_skipped_steps": 0},
+        {"found_overflow_local": True, "remote_skipped_steps": 0},
+        {"loss_scale": 1.0},
+    ],
+    ids=["local-true", "local-false", "remote", "both", "foreign"],
+)
+def test_version_1_document_with_fields_version_1_lacks_is_a_field_error(extra: dict[str, Any]) -> None:
+    # Even values the migration would have produced itself: a version-1 file with them was not written by version 1.
+    data = v1_document({**GOLDEN_V1_PAYLOAD, **extra})
+    unknown = ", ".join(repr(name) for name in sorted(extra))
+    with pytest.raises(CheckpointFieldError, match=re.escape(f"unknown field(s) {unknown} for format version 1")):
+        GradScalerCheckpoint.from_bytes(data)
+
+
+@pytest.mark.parametrize("name", list(GOLDEN_V1_PAYLOAD))
+def test_version_1_document_missing_a_field_is_a_field_error(name: str) -> None:
+    payload = {key: value for key, value in GOLDEN_V1_PAYLOAD.items() if key != name}
+    with pytest.raises(CheckpointFieldError, match=re.escape(f"missing field(s) {name!r} of format version 1")):
+        GradScalerCheckpoint.from_bytes(v1_document(payload))
+
+
+def test_version_1_field_error_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "old.ckpt"
+    path.write_bytes(v1_document({**GOLDEN_V1_PAYLOAD, "remote_skipped_steps": 0}))
+    with pytest.raises(
+        CheckpointFieldError,
+        match=rf"^checkpoint {re.escape(repr(str(path)))}: Invalid checkpoint: unknown field\(s\) 'remote_skipped",
+    ):
+        GradScalerCheckpoint.load(path)
+
+
+def test_version_2_document_with_the_version_1_fields_is_a_field_error() -> None:
+    with pytest.raises(CheckpointFieldError, match=r"missing field.*'found_overflow_local', 'remote_skipped_steps'"):
+        GradScalerCheckpoint.from_bytes(document(fields=GOLDEN_V1_PAYLOAD))
+
+
+def test_version_1_invalid_found_overflow_is_reported_under_its_own_name() -> None:
+    for value in (1, None, "true"):
+        with pytest.raises(CheckpointFieldError, match=r"^Invalid 'found_overflow': expected"):
+            GradScalerCheckpoint.from_bytes(v1_document({**GOLDEN_V1_PAYLOAD, "found_overflow": value}))
+
+
+# The version-2 fields
+
+
+def test_remote_overflow_is_a_valid_state() -> None:
+    remote = with_fields(found_overflow=True, found_overflow_local=False)
+    assert remote.found_overflow_local is False
+    assert with_fields(remote_skipped_steps=GOLDEN_FIELDS["skipped_steps"]).remote_skipped_steps == 300
+    assert with_fields(remote_skipped_steps=0).remote_skipped_steps == 0
+
+
+def test_local_overflow_without_an_overflow_is_a_field_error() -> None:
+    match = r"^Invalid 'found_overflow_local': expected False when found_overflow is False"
+    with pytest.raises(CheckpointFieldError, match=match):
+        with_fields(found_overflow=False, found_overflow_local=True)
+    with pytest.raises(CheckpointFieldError, match=match):
+        GradScalerCheckpoint.from_bytes(
+            document(fields={**GOLDEN_FIELDS, "found_overflow": False, "found_overflow_local": True})
+        )
+
+
+@pytest.mark.parametrize("value", [301, 5_000_000_001, U64_MAX])
+def test_more_remote_skips_than_skips_is_a_field_error(value: int) -> None:
+    match = r"^Invalid 'remote_skipped_steps': expected an int <= skipped_steps \(300\)"
+    with pytest.raises(CheckpointFieldError, match=match):
+        with_fields(remote_skipped_steps=value)
+    with pytest.raises(CheckpointFieldError, match=match):
+        GradScalerCheckpoint.from_bytes(document(fields={**GOLDEN_FIELDS, "remote_skipped_steps": value}))
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("found_overflow_local", 0, "a bool"),
+        ("found_overflow_local", "False", "a bool"),
+        ("found_overflow_local", None, "a bool"),
+        ("remote_skipped_steps", -1, "an int >= 0"),
+        ("remote_skipped_steps", True, "an int >= 0"),
+        ("remote_skipped_steps", 3.0, "an int >= 0"),
+        ("remote_skipped_steps", "3", "an int >= 0"),
+        ("remote_skipped_steps", None, "an int >= 0"),
+    ],
+)
+def test_new_fields_of_the_wrong_type_are_field_errors(name: str, value: object, expected: str) -> None:
+    with pytest.raises(CheckpointFieldError, match=f"^Invalid '{name}': expected {expected}"):
+        with_fields(**{name: value})
+
+
+def test_new_fields_given_as_numpy_scalars_are_stored_as_python_scalars() -> None:
+    checkpoint = with_fields(found_overflow_local=np.bool_(True), remote_skipped_steps=np.int64(3))
+    assert type(checkpoint.found_overflow_local) is bool
+    assert checkpoint.found_overflow_local is True
+    assert type(checkpoint.remote_skipped_steps) is int
+    assert checkpoint.remote_skipped_steps == 3
+    with pytest.raises(CheckpointFieldError, match="'found_overflow_local'"):
+        with_fields(found_overflow=np.bool_(False), found_overflow_local=np.bool_(True))
+
+
+# The PyTorch state dict bridge
+
+TORCH_STATE = {
+    "scale": 65536.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "_growth_tracker": 17,
+}
+
+
+def test_from_torch_state_dict_fills_every_other_field() -> None:
+    checkpoint = GradScalerCheckpoint.from_torch_state_dict(TORCH_STATE)
+    assert checkpoint.to_dict() == {
+        "scale": 65536.0,
+        "growth_factor": 2.0,
+        "backoff_factor": 0.5,
+        "growth_interval": 2000,
+        "consecutive_good_steps": 17,
+        "found_overflow": False,
+        "found_overflow_local": False,
+        "enabled": True,
+        "min_scale": None,
+        "max_scale": None,
+        "hysteresis": 1,
+        "hysteresis_tracker": 1,
+        "steps": 0,
+        "skipped_steps": 0,
+        "growths": 0,
+        "backoffs": 0,
+        "remote_skipped_steps": 0,
+    }
+    assert checkpoint.to_torch_state_dict() == TORCH_STATE
+    assert GradScalerCheckpoint.from_bytes(checkpoint.to_bytes()) == checkpoint
+
+
+@pytest.mark.parametrize(
+    "state_dict",
+    [{}, {**TORCH_STATE, "found_overflow_local": False}, {**TORCH_STATE, "remote_skipped_steps": 0}],
+    ids=["empty", "local", "remote"],
+)
+def test_from_torch_state_dict_takes_exactly_the_torch_keys(state_dict: dict[str, Any]) -> None:
+    with pytest.raises(CheckpointFieldError, match="PyTorch state dict"):
+        GradScalerCheckpoint.from_torch_state_dict(state_dict)
 
 
 # Damaged and foreign bytes
 
 
-def test_every_truncation_is_corrupt() -> None:
-    data = GOLDEN_V1.read_bytes()
+@pytest.mark.parametrize("golden_file", GOLDEN_FILES, ids=lambda path: path.name)
+def test_every_truncation_is_corrupt(golden_file: Path) -> None:
+    data = golden_file.read_bytes()
     for length in range(len(data)):
         with pytest.raises(CheckpointCorruptError):
             GradScalerCheckpoint.from_bytes(data[:length])
 
 
-def test_every_single_bit_flip_is_corrupt() -> None:
-    data = GOLDEN_V1.read_bytes()
+@pytest.mark.parametrize("golden_file", GOLDEN_FILES, ids=lambda path: path.name)
+def test_every_single_bit_flip_is_corrupt(golden_file: Path) -> None:
+    data = golden_file.read_bytes()
     for index in range(len(data)):
         for bit in range(8):
             flipped = bytearray(data)
@@ -250,10 +528,11 @@ def test_every_single_bit_flip_is_corrupt() -> None:
                 GradScalerCheckpoint.from_bytes(bytes(flipped))
 
 
-@pytest.mark.parametrize("extra", [b"\x00", b"\xc0", GOLDEN_V1.read_bytes()])
-def test_trailing_bytes_are_corrupt(extra: bytes) -> None:
+@pytest.mark.parametrize("golden_file", GOLDEN_FILES, ids=lambda path: path.name)
+@pytest.mark.parametrize("extra", [b"\x00", b"\xc0", GOLDEN_V1.read_bytes(), GOLDEN_V2.read_bytes()])
+def test_trailing_bytes_are_corrupt(golden_file: Path, extra: bytes) -> None:
     with pytest.raises(CheckpointCorruptError):
-        GradScalerCheckpoint.from_bytes(GOLDEN_V1.read_bytes() + extra)
+        GradScalerCheckpoint.from_bytes(golden_file.read_bytes() + extra)
 
 
 def test_trailing_bytes_behind_a_valid_crc_are_corrupt() -> None:
@@ -291,7 +570,7 @@ def test_foreign_files_are_corrupt_and_named(tmp_path: Path, name: str, content:
 def test_zip_file_is_corrupt(tmp_path: Path) -> None:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("scaler.ckpt", GOLDEN_V1.read_bytes())
+        archive.writestr("scaler.ckpt", GOLDEN_V2.read_bytes())
     path = tmp_path / "scaler.zip"
     path.write_bytes(buffer.getvalue())
     with pytest.raises(CheckpointCorruptError, match="not a cupy-amp checkpoint"):
@@ -300,11 +579,11 @@ def test_zip_file_is_corrupt(tmp_path: Path) -> None:
 
 def test_a_non_bytes_argument_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="bytes"):
-        GradScalerCheckpoint.from_bytes(GOLDEN_V1.read_text("latin-1"))  # type: ignore[arg-type]
+        GradScalerCheckpoint.from_bytes(GOLDEN_V2.read_text("latin-1"))  # type: ignore[arg-type]
 
 
 def test_bytearray_and_memoryview_are_accepted() -> None:
-    data = GOLDEN_V1.read_bytes()
+    data = GOLDEN_V2.read_bytes()
     assert GradScalerCheckpoint.from_bytes(bytearray(data)) == golden()  # type: ignore[arg-type]
     assert GradScalerCheckpoint.from_bytes(memoryview(data)) == golden()  # type: ignore[arg-type]
 
@@ -405,7 +684,7 @@ def test_non_string_payload_keys_are_corrupt(key: bytes) -> None:
 @pytest.mark.parametrize("ext", [b"\xd4\x01\x00", b"\xd6\xff\x00\x00\x00\x00", b"\xc7\x00\x05"])
 def test_ext_types_are_corrupt(ext: bytes) -> None:
     payload = packb({**GOLDEN_FIELDS, "scale": None})
-    assert payload.startswith(b"\x8f\xa5scale\xc0")
+    assert payload.startswith(b"\xde\x00\x11\xa5scale\xc0")  # map16 of 17 entries, then the first one
     with pytest.raises(CheckpointCorruptError, match="ext"):
         GradScalerCheckpoint.from_bytes(document(payload.replace(b"\xc0", ext, 1)))
 
@@ -442,23 +721,23 @@ def test_malformed_version_is_corrupt(version: bytes) -> None:
         GradScalerCheckpoint.from_bytes(document(version=version))
 
 
-@pytest.mark.parametrize("version", [2, 3, 2**31, U64_MAX])
+@pytest.mark.parametrize("version", [FORMAT_VERSION + 1, FORMAT_VERSION + 2, 2**31, U64_MAX])
 def test_future_version_asks_for_an_upgrade(version: int) -> None:
     with pytest.raises(CheckpointVersionError, match=f"format version {version}.*upgrade cupy-amp"):
         GradScalerCheckpoint.from_bytes(document(version=packb(version)))
 
 
 def test_future_version_is_recognised_whatever_its_payload() -> None:
-    # A later version may hold things version 1 would refuse (long arrays, ext types, new keys).
+    # A later version may hold things the current one would refuse (long arrays, ext types, new keys).
     payload = packb(list(range(1000))) + b"\xd4\x01\x00"
-    data = document(payload, version=packb(2))
+    data = document(payload, version=packb(FORMAT_VERSION + 1))
     with pytest.raises(CheckpointVersionError):
         GradScalerCheckpoint.from_bytes(data)
 
 
 def test_future_version_error_names_the_file(tmp_path: Path) -> None:
     path = tmp_path / "future.ckpt"
-    path.write_bytes(document(version=packb(2)))
+    path.write_bytes(document(version=packb(FORMAT_VERSION + 1)))
     with pytest.raises(CheckpointVersionError, match=re.escape(f"checkpoint {str(path)!r}")):
         GradScalerCheckpoint.load(path)
 
@@ -520,6 +799,15 @@ def test_invalid_field_value_is_a_field_error_naming_the_field(tmp_path: Path, n
         GradScalerCheckpoint.load(path)
 
 
+V1_FIELD_CASES = [(name, value) for name in GOLDEN_V1_PAYLOAD for value in _bad_values(name)]
+
+
+@pytest.mark.parametrize(("name", "value"), V1_FIELD_CASES, ids=[f"{n}={v!r}" for n, v in V1_FIELD_CASES])
+def test_invalid_field_value_in_a_version_1_file_is_a_field_error_naming_the_field(name: str, value: object) -> None:
+    with pytest.raises(CheckpointFieldError, match=f"^Invalid '{name}': expected "):
+        GradScalerCheckpoint.from_bytes(v1_document({**GOLDEN_V1_PAYLOAD, name: value}))
+
+
 def test_field_error_names_exactly_the_bad_field() -> None:
     data = document(fields={**GOLDEN_FIELDS, "growths": True})
     with pytest.raises(CheckpointFieldError, match="Invalid 'growths': expected an int >= 0, got True"):
@@ -548,7 +836,13 @@ def test_float32_encoded_values_decode_to_the_same_checkpoint() -> None:
 
 
 def test_inconsistent_counters_are_field_errors() -> None:
-    for changes in ({"growths": 10**10}, {"backoffs": 301}, {"skipped_steps": 5_000_000_001}):
+    for changes in (
+        {"growths": 10**10},
+        {"backoffs": 301},
+        {"skipped_steps": 5_000_000_001},
+        {"remote_skipped_steps": 301},
+        {"skipped_steps": 2, "backoffs": 2},  # remote_skipped_steps 3 > 2
+    ):
         with pytest.raises(CheckpointFieldError):
             GradScalerCheckpoint.from_bytes(document(fields={**GOLDEN_FIELDS, **changes}))
 
@@ -571,7 +865,7 @@ def test_scale_float32_cannot_hold_is_refused() -> None:
 
 
 def test_counter_beyond_64_bits_cannot_be_encoded(tmp_path: Path) -> None:
-    too_big = with_fields(steps=2**64, skipped_steps=0, growths=0, backoffs=0)
+    too_big = with_fields(steps=2**64, skipped_steps=0, growths=0, backoffs=0, remote_skipped_steps=0)
     with pytest.raises(CheckpointFieldError, match=r"'steps'.*64 bits"):
         too_big.to_bytes()
     with pytest.raises(CheckpointFieldError):
@@ -590,7 +884,7 @@ def test_encoder_refuses_values_it_cannot_write_exactly() -> None:
 
 
 def test_bytes_over_the_limit_are_refused_before_parsing() -> None:
-    oversize = GOLDEN_V1.read_bytes() + b"\x00" * MAX_CHECKPOINT_BYTES
+    oversize = GOLDEN_V2.read_bytes() + b"\x00" * MAX_CHECKPOINT_BYTES
     with pytest.raises(CheckpointCorruptError, match="limit"):
         GradScalerCheckpoint.from_bytes(oversize)
 
@@ -598,7 +892,7 @@ def test_bytes_over_the_limit_are_refused_before_parsing() -> None:
 def test_huge_sparse_file_is_refused_without_being_read(tmp_path: Path) -> None:
     path = tmp_path / "huge.ckpt"
     with open(path, "wb") as file:
-        file.write(GOLDEN_V1.read_bytes())
+        file.write(GOLDEN_V2.read_bytes())
         file.truncate(2 * 1024**3)
     started = time.perf_counter()
     with pytest.raises(
@@ -631,7 +925,7 @@ def test_save_replaces_an_existing_file_and_leaves_no_temporary(tmp_path: Path) 
     target = tmp_path / "scaler.ckpt"
     target.write_bytes(b"old")
     golden().save(target)
-    assert target.read_bytes() == GOLDEN_V1.read_bytes()
+    assert target.read_bytes() == GOLDEN_V2.read_bytes()
     assert os.listdir(tmp_path) == ["scaler.ckpt"]
 
 
@@ -655,7 +949,7 @@ def test_stray_temporary_files_do_not_affect_load_or_save(tmp_path: Path) -> Non
     target = tmp_path / "scaler.ckpt"
     golden().save(target)
     stray = tmp_path / ".scaler.ckpt.tmp-0123456789abcdef"
-    stray.write_bytes(GOLDEN_V1.read_bytes()[:100])
+    stray.write_bytes(GOLDEN_V2.read_bytes()[:100])
     assert GradScalerCheckpoint.load(target) == golden()
     other = with_fields(steps=5_000_000_001)
     other.save(target)
@@ -723,7 +1017,7 @@ def test_failure_after_a_partial_write_removes_the_temporary(tmp_path: Path, mon
     with pytest.raises(OSError, match="No space"):
         with_fields(steps=7_000_000_000).save(target)
     monkeypatch.undo()
-    assert target.read_bytes() == GOLDEN_V1.read_bytes()
+    assert target.read_bytes() == GOLDEN_V2.read_bytes()
     assert os.listdir(tmp_path) == ["scaler.ckpt"]
 
 
@@ -732,7 +1026,7 @@ def test_short_writes_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:1]))
     golden().save(tmp_path / "scaler.ckpt")
     monkeypatch.undo()
-    assert (tmp_path / "scaler.ckpt").read_bytes() == GOLDEN_V1.read_bytes()
+    assert (tmp_path / "scaler.ckpt").read_bytes() == GOLDEN_V2.read_bytes()
 
 
 def test_file_is_synced_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

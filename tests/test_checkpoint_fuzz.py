@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import zlib
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -40,7 +41,8 @@ FIELDS: dict[str, Any] = {
     "backoff_factor": 0.5,
     "growth_interval": 2000,
     "consecutive_good_steps": 7,
-    "found_overflow": False,
+    "found_overflow": True,
+    "found_overflow_local": False,
     "enabled": True,
     "min_scale": 1.0,
     "max_scale": 2.0**24,
@@ -50,11 +52,19 @@ FIELDS: dict[str, Any] = {
     "skipped_steps": 17,
     "growths": 5,
     "backoffs": 9,
+    "remote_skipped_steps": 4,
+}
+# The same checkpoint as format version 1 wrote it: the fields version 2 added left out.
+V1_FIELDS = {
+    name: value for name, value in FIELDS.items() if name not in ("found_overflow_local", "remote_skipped_steps")
 }
 SEEDS = [
     GradScalerCheckpoint(**FIELDS).to_bytes(),
     GradScalerCheckpoint(**{**FIELDS, "scale": 0.0, "min_scale": None, "max_scale": None}).to_bytes(),
-    GradScalerCheckpoint(**{**FIELDS, "steps": 2**64 - 1, "skipped_steps": 2**63, "backoffs": 2**62}).to_bytes(),
+    GradScalerCheckpoint(
+        **{**FIELDS, "steps": 2**64 - 1, "skipped_steps": 2**63, "backoffs": 2**62, "remote_skipped_steps": 2**63}
+    ).to_bytes(),
+    (Path(__file__).parent / "data" / "grad_scaler_v1.ckpt").read_bytes(),  # version 1, read through the migration
 ]
 # Type bytes that claim long (or maximal) lengths, for inflating a header in place.
 INFLATED = [b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"]
@@ -170,14 +180,19 @@ msgpack_values = msgpack_scalars | st.recursive(
 
 @FUZZ
 @given(
+    st.sampled_from([(1, V1_FIELDS), (2, FIELDS)]),
     st.dictionaries(st.sampled_from([*FIELDS, "extra", ""]), msgpack_values, max_size=4),
     st.sampled_from([None, "format", "version", "payload"]),
     msgpack_values,
 )
 def test_structured_documents_decode_or_raise_checkpoint_errors(
-    payload_changes: dict[str, object], envelope_key: str | None, envelope_value: object
+    base: tuple[int, dict[str, Any]],
+    payload_changes: dict[str, object],
+    envelope_key: str | None,
+    envelope_value: object,
 ) -> None:
-    envelope: dict[str, object] = {"format": FORMAT_NAME, "version": 1, "payload": {**FIELDS, **payload_changes}}
+    version, fields = base
+    envelope: dict[str, object] = {"format": FORMAT_NAME, "version": version, "payload": {**fields, **payload_changes}}
     if envelope_key is not None:
         envelope[envelope_key] = envelope_value
     packer = msgpack.Packer(use_bin_type=True, use_single_float=False)

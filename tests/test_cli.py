@@ -10,15 +10,36 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION
 from cupy_amp.cli import main
+from cupy_amp.errors import CheckpointFieldError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GOLDEN_V1 = Path(__file__).parent / "data" / "grad_scaler_v1.ckpt"
-FIELD_NAMES = list(GradScalerCheckpoint.load(GOLDEN_V1).to_dict())
+GOLDEN_V2 = Path(__file__).parent / "data" / "grad_scaler_v2.ckpt"
+FIELD_NAMES = [
+    "scale",
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "consecutive_good_steps",
+    "found_overflow",
+    "found_overflow_local",
+    "enabled",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+    "hysteresis_tracker",
+    "steps",
+    "skipped_steps",
+    "growths",
+    "backoffs",
+    "remote_skipped_steps",
+]
 
 
 def make(**changes: Any) -> GradScalerCheckpoint:
@@ -29,6 +50,7 @@ def make(**changes: Any) -> GradScalerCheckpoint:
         "growth_interval": 2000,
         "consecutive_good_steps": 17,
         "found_overflow": False,
+        "found_overflow_local": False,
         "enabled": True,
         "min_scale": 1.0,
         "max_scale": 2.0**24,
@@ -38,6 +60,7 @@ def make(**changes: Any) -> GradScalerCheckpoint:
         "skipped_steps": 3,
         "growths": 0,
         "backoffs": 2,
+        "remote_skipped_steps": 1,
         **changes,
     }
     return GradScalerCheckpoint(**fields)
@@ -84,7 +107,41 @@ def test_inspect_prints_one_aligned_line_per_field(good: Path, capsys: pytest.Ca
     assert values["min_scale"] == "1 (2**0)"
     assert values["backoff_factor"] == "0.5"
     assert values["found_overflow"] == "False"
+    assert values["found_overflow_local"] == "False"
     assert values["consecutive_good_steps"] == "17"
+    assert values["remote_skipped_steps"] == "1"
+
+
+def test_inspect_shows_a_version_1_file_as_written_and_its_fields_as_read(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(GOLDEN_V1)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    values = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in lines}
+    assert list(values) == ["file", "format", *FIELD_NAMES]
+    assert values["format"] == f"{FORMAT_NAME} version 1 (fields upgraded to version {FORMAT_VERSION})"
+    assert values["found_overflow"] == values["found_overflow_local"] == "True"
+    assert values["remote_skipped_steps"] == "0"
+
+
+@pytest.mark.parametrize(("path", "version"), [(GOLDEN_V1, 1), (GOLDEN_V2, 2)], ids=["v1", "v2"])
+def test_inspect_json_gives_the_version_written_and_the_fields_read(
+    capsys: pytest.CaptureFixture[str], path: Path, version: int
+) -> None:
+    assert main(["inspect", "--json", str(path)]) == 0
+    document = json.loads(capsys.readouterr().out)
+    assert document["format"] == FORMAT_NAME
+    assert document["version"] == version
+    assert list(document["fields"]) == FIELD_NAMES
+    assert document["fields"] == GradScalerCheckpoint.load(path).to_dict()
+
+
+def test_inspect_shows_a_remote_overflow(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "remote.ckpt"
+    make(found_overflow=True, found_overflow_local=False, remote_skipped_steps=3).save(path)
+    assert main(["inspect", str(path)]) == 0
+    values = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
+    assert values["format"] == f"{FORMAT_NAME} version {FORMAT_VERSION}"
+    assert (values["found_overflow"], values["found_overflow_local"]) == ("True", "False")
+    assert values["remote_skipped_steps"] == "3"
 
 
 @pytest.mark.parametrize(
@@ -147,11 +204,28 @@ def test_inspect_corrupt_file_says_why(corrupt: Path, capsys: pytest.CaptureFixt
 # validate
 
 
-def test_validate_good_files(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", str(good), str(GOLDEN_V1)]) == 0
+def test_validate_good_files_of_every_version(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["validate", str(good), str(GOLDEN_V1), str(GOLDEN_V2)]) == 0
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == [f"OK  {good}", f"OK  {GOLDEN_V1}"]
+    assert captured.out.splitlines() == [f"OK  {good}", f"OK  {GOLDEN_V1}", f"OK  {GOLDEN_V2}"]
     assert captured.err == ""
+
+
+def test_validate_gives_the_messages_load_gives(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    v1_with_v2_field = tmp_path / "v1-with-v2-field.ckpt"
+    v1_with_v2_field.write_bytes(_v1_with_remote_skips())
+    invalid = tmp_path / "invalid.ckpt"
+    invalid.write_bytes(_with_growths_true())
+    assert main(["validate", str(v1_with_v2_field), str(invalid)]) == 1
+    errors = capsys.readouterr().err.splitlines()
+    expected = []
+    for path in (v1_with_v2_field, invalid):
+        with pytest.raises(CheckpointFieldError) as raised:
+            GradScalerCheckpoint.load(path)
+        expected.append(f"FAIL  {raised.value}")
+    assert errors == expected
+    assert "unknown field(s) 'remote_skipped_steps' for format version 1" in errors[0]
+    assert errors[1].startswith(f"FAIL  checkpoint {str(invalid)!r}: Invalid 'growths'")
 
 
 def test_validate_reports_each_bad_file_on_stderr(
@@ -159,7 +233,7 @@ def test_validate_reports_each_bad_file_on_stderr(
 ) -> None:
     missing = tmp_path / "absent.ckpt"
     future = tmp_path / "future.ckpt"
-    future.write_bytes(_future_version(GOLDEN_V1.read_bytes()))
+    future.write_bytes(_future_version(GOLDEN_V2.read_bytes()))
     invalid = tmp_path / "invalid.ckpt"
     invalid.write_bytes(_with_growths_true())
     assert main(["validate", str(good), str(corrupt), str(missing), str(future), str(invalid), str(tmp_path)]) == 1
@@ -229,13 +303,27 @@ def test_script_inspect_json_and_missing_file(good: Path, tmp_path: Path) -> Non
     assert "No such file or directory" in missing.stderr
 
 
-def _future_version(data: bytes) -> bytes:
-    body = data[:-5].replace(b"\xa7version\x01", b"\xa7version\x02", 1)
+def _reseal(body: bytes) -> bytes:
     return body + b"\xce" + zlib.crc32(body).to_bytes(4, "big")
+
+
+def _future_version(data: bytes) -> bytes:
+    body = data[:-5].replace(b"\xa7version\x02", b"\xa7version\x03", 1)
+    assert body != data[:-5]
+    return _reseal(body)
 
 
 def _with_growths_true() -> bytes:
-    data = GOLDEN_V1.read_bytes()
+    data = GOLDEN_V2.read_bytes()
     body = data[:-5].replace(b"\xa7growths\x28", b"\xa7growths\xc3", 1)
     assert body != data[:-5]
-    return body + b"\xce" + zlib.crc32(body).to_bytes(4, "big")
+    return _reseal(body)
+
+
+def _v1_with_remote_skips() -> bytes:
+    """The version-1 golden file with a version-2 field appended to its payload (a fixmap of 15 becomes 16)."""
+    data = GOLDEN_V1.read_bytes()
+    assert data[:-5].count(b"\xa7payload\x8f") == 1
+    body = data[:-5].replace(b"\xa7payload\x8f", b"\xa7payload\xde\x00\x10", 1)
+    body = body.replace(b"\xa5crc32", msgpack.packb("remote_skipped_steps") + b"\x00\xa5crc32", 1)
+    return _reseal(body)

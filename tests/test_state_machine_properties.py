@@ -21,7 +21,7 @@ from reference_model import (
     unscaled,
 )
 
-from cupy_amp import GradScaler
+from cupy_amp import GradScaler, GradScalerCheckpoint
 
 TINY = 2.0**-149
 PROPERTY_SETTINGS = settings(
@@ -125,6 +125,12 @@ def make_gradients(step: Step) -> list[np.ndarray]:
     return grads
 
 
+def assert_matches_reference(scaler: GradScaler, ref: RefScaler) -> None:
+    """Compare every field of stats() and checkpoint() (between steps) with the reference."""
+    assert scaler.stats().to_dict() == ref.stats_dict()
+    assert scaler.checkpoint().to_dict() == ref.checkpoint_dict()
+
+
 def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: bool) -> bool:
     """Drive one step through ``scaler``, check it against ``ref``, and return had_overflow()."""
     grads = make_gradients(step)
@@ -142,7 +148,7 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
         scaler.update()
         for grad, before in zip(grads, saved, strict=True):
             assert identical(grad, before)
-        assert scaler.stats().to_dict() == ref.stats_dict()
+        assert_matches_reference(scaler, ref)
         assert scaler.had_overflow() is previous_overflow
         scaler.set_enabled(True)
         ref.enabled = True
@@ -173,7 +179,7 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
 
     scaler.update()
     ref.step(overflow)
-    assert scaler.stats().to_dict() == ref.stats_dict()
+    assert_matches_reference(scaler, ref)
     assert scaler.had_overflow() is overflow
     assert scaler.nonfinite_gradients() == labels
     return overflow
@@ -184,7 +190,7 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
 def test_scaler_follows_the_reference(config: RefConfig, steps: list[Step]) -> None:
     scaler = GradScaler(**config.kwargs())
     ref = RefScaler(config)
-    assert scaler.stats().to_dict() == ref.stats_dict()
+    assert_matches_reference(scaler, ref)
     overflow = False
     for step in steps:
         overflow = run_step(scaler, ref, step, overflow)
@@ -220,6 +226,11 @@ def test_checkpoint_round_trip_continues_identically(config: RefConfig, steps: l
         original.set_enabled(False)
         ref.enabled = False
     checkpoint = original.checkpoint()
+    assert checkpoint.to_dict() == ref.checkpoint_dict()
+    assert checkpoint.found_overflow_local is checkpoint.found_overflow
+    assert checkpoint.remote_skipped_steps == 0
+    # Through the file format and back, as a resumed run would read it.
+    checkpoint = GradScalerCheckpoint.from_bytes(checkpoint.to_bytes())
     # Load into a scaler with a different configuration and some history of its own.
     resumed = GradScaler(init_scale=4.0, growth_interval=9, hysteresis=2, min_scale=None, max_scale=None)
     resumed.unscale_and_check([np.array([np.nan], np.float32)])

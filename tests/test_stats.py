@@ -19,6 +19,8 @@ FIELDS = [
     "skipped_steps",
     "growths",
     "backoffs",
+    "remote_skipped_steps",
+    "last_overflow",
 ]
 
 
@@ -43,6 +45,8 @@ def test_to_dict_keys_and_values() -> None:
         "skipped_steps": 4,
         "growths": 2,
         "backoffs": 2,
+        "remote_skipped_steps": 0,
+        "last_overflow": "none",
     }
     assert list(stats.to_dict()) == FIELDS
     assert [field.name for field in dataclasses.fields(GradScalerStats)] == FIELDS
@@ -52,8 +56,9 @@ def test_to_dict_holds_plain_python_scalars() -> None:
     values = busy_scaler().stats().to_dict()
     assert type(values["scale"]) is float
     assert type(values["enabled"]) is bool
+    assert type(values["last_overflow"]) is str
     for name in FIELDS[1:]:
-        if name != "enabled":
+        if name not in ("enabled", "last_overflow"):
             assert type(values[name]) is int, name
 
 
@@ -117,6 +122,8 @@ def test_str_is_one_line_naming_the_exact_scale(scale: float) -> None:
         skipped_steps=3,
         growths=5,
         backoffs=1,
+        remote_skipped_steps=2,
+        last_overflow="remote",
     )
     text = str(stats)
     assert "\n" not in text
@@ -127,6 +134,8 @@ def test_str_is_one_line_naming_the_exact_scale(scale: float) -> None:
     for number in ("17", "40", "3", "5", "1", "2"):
         assert re.search(rf"\b{number}\b", text), number
     assert "enabled" in text
+    assert "remote_skips=2" in text
+    assert "last_overflow=remote" in text
 
 
 def test_str_of_a_live_scaler() -> None:
@@ -135,3 +144,16 @@ def test_str_of_a_live_scaler() -> None:
     assert "1024" in text
     assert "steps=9" in text
     assert "skipped=4" in text
+    assert "remote_skips=0" in text
+    assert "last_overflow=none" in text
+
+
+@pytest.mark.parametrize(("overflow", "shown"), [(False, "none"), (True, "local")])
+def test_last_overflow_of_a_single_process_is_none_or_local(overflow: bool, shown: str) -> None:
+    scaler = GradScaler()
+    assert scaler.stats().last_overflow == "none"
+    scaler.unscale_and_check([np.array([np.inf if overflow else 1.0], np.float32)])
+    assert scaler.stats().last_overflow == shown
+    scaler.update()
+    assert scaler.stats().last_overflow == shown
+    assert scaler.stats().remote_skipped_steps == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cupy_amp import GradScaler
+from cupy_amp import GradScaler, GradScalerCheckpoint
 
 TINY = float(np.float32(2.0**-149))  # the smallest float32 subnormal
 FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -30,8 +30,15 @@ def expect(
     growths: int,
     backoffs: int,
     enabled: bool = True,
+    remote: int = 0,
+    last: str = "none",
 ) -> None:
-    """Assert every field of ``stats()`` and ``scale_factor()``."""
+    """Assert every field of ``stats()`` and ``scale_factor()``.
+
+    ``remote`` and ``last`` are ``remote_skipped_steps`` and ``last_overflow``:
+    in a single process there are no remote skips, and the last overflow is
+    "local" after an overflowing step, "none" otherwise.
+    """
     assert scaler.stats().to_dict() == {
         "scale": scale,
         "consecutive_good_steps": good,
@@ -41,6 +48,8 @@ def expect(
         "skipped_steps": skipped,
         "growths": growths,
         "backoffs": backoffs,
+        "remote_skipped_steps": remote,
+        "last_overflow": last,
     }
     assert scaler.scale_factor() == (scale if enabled else 1.0)
     assert isinstance(scaler.stats().scale, float)
@@ -81,20 +90,20 @@ def test_with_params_sets_the_four_classic_parameters_and_keeps_default_clamps()
     step(scaler, False)
     expect(scaler, scale=3072.0, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
     step(scaler, True)
-    expect(scaler, scale=768.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1)
+    expect(scaler, scale=768.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1, last="local")
     # The default clamps are kept: min_scale 1.0 floors the backoff.
     for _ in range(5):
         step(scaler, True)
-    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=8, skipped=6, growths=1, backoffs=6)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=8, skipped=6, growths=1, backoffs=6, last="local")
 
 
 def test_backoff_on_overflow() -> None:
     scaler = GradScaler(init_scale=1024.0, growth_interval=3)
     step(scaler, True)
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
     # With the hysteresis tracker already at 0, every further overflow backs off again.
     step(scaler, True)
-    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2)
+    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2, last="local")
 
 
 def test_overflow_resets_growth_tracker() -> None:
@@ -103,7 +112,7 @@ def test_overflow_resets_growth_tracker() -> None:
     step(scaler, False)
     expect(scaler, scale=1024.0, good=2, hysteresis=1, steps=2, skipped=0, growths=0, backoffs=0)
     step(scaler, True)
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=1, growths=0, backoffs=1, last="local")
     step(scaler, False)
     step(scaler, False)
     expect(scaler, scale=512.0, good=2, hysteresis=0, steps=5, skipped=1, growths=0, backoffs=1)
@@ -140,50 +149,50 @@ def test_growth_and_backoff_products_are_rounded_to_float32() -> None:
     expect(scaler, scale=grown, good=0, hysteresis=1, steps=1, skipped=0, growths=1, backoffs=0)
     step(scaler, True)
     shrunk = float(np.float32(grown * 0.3))
-    expect(scaler, scale=shrunk, good=0, hysteresis=0, steps=2, skipped=1, growths=1, backoffs=1)
+    expect(scaler, scale=shrunk, good=0, hysteresis=0, steps=2, skipped=1, growths=1, backoffs=1, last="local")
     assert float(np.float32(shrunk)) == shrunk
 
 
 def test_hysteresis_delays_backoff() -> None:
     scaler = GradScaler(init_scale=1024.0, hysteresis=3, growth_interval=100)
     step(scaler, True)
-    expect(scaler, scale=1024.0, good=0, hysteresis=2, steps=1, skipped=1, growths=0, backoffs=0)
+    expect(scaler, scale=1024.0, good=0, hysteresis=2, steps=1, skipped=1, growths=0, backoffs=0, last="local")
     step(scaler, True)
-    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=2, skipped=2, growths=0, backoffs=0)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=2, skipped=2, growths=0, backoffs=0, last="local")
     step(scaler, True)
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1, last="local")
     step(scaler, True)
-    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=4, skipped=4, growths=0, backoffs=2)
+    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=4, skipped=4, growths=0, backoffs=2, last="local")
 
 
 def test_hysteresis_not_refilled_by_clean_steps() -> None:
     scaler = GradScaler(init_scale=1024.0, hysteresis=2, growth_interval=10)
     step(scaler, True)
-    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0, last="local")
     for n in range(1, 6):
         step(scaler, False)
         expect(scaler, scale=1024.0, good=n, hysteresis=1, steps=1 + n, skipped=1, growths=0, backoffs=0)
     step(scaler, True)
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=7, skipped=2, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=7, skipped=2, growths=0, backoffs=1, last="local")
 
 
 def test_hysteresis_refills_only_on_growth() -> None:
     scaler = GradScaler(init_scale=1024.0, hysteresis=2, growth_interval=2)
     step(scaler, True)
     step(scaler, True)
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1, last="local")
     step(scaler, False)
     expect(scaler, scale=512.0, good=1, hysteresis=0, steps=3, skipped=2, growths=0, backoffs=1)
     step(scaler, False)
     expect(scaler, scale=1024.0, good=0, hysteresis=2, steps=4, skipped=2, growths=1, backoffs=1)
     step(scaler, True)
-    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=5, skipped=3, growths=1, backoffs=1)
+    expect(scaler, scale=1024.0, good=0, hysteresis=1, steps=5, skipped=3, growths=1, backoffs=1, last="local")
 
 
 def test_hysteresis_refills_even_when_growth_is_clamped_away() -> None:
     scaler = GradScaler(init_scale=64.0, max_scale=64.0, hysteresis=2, growth_interval=2)
     step(scaler, True)
-    expect(scaler, scale=64.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0)
+    expect(scaler, scale=64.0, good=0, hysteresis=1, steps=1, skipped=1, growths=0, backoffs=0, last="local")
     step(scaler, False)
     step(scaler, False)
     # The interval was reached: tracker reset and hysteresis refilled, though the scale stayed.
@@ -216,7 +225,7 @@ def test_max_scale_clamps_growth() -> None:
     step(scaler, False)
     expect(scaler, scale=1000.0, good=0, hysteresis=1, steps=2, skipped=0, growths=1, backoffs=0)
     step(scaler, True)
-    expect(scaler, scale=500.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1)
+    expect(scaler, scale=500.0, good=0, hysteresis=0, steps=3, skipped=1, growths=1, backoffs=1, last="local")
 
 
 def test_default_max_scale_is_two_to_the_24() -> None:
@@ -230,19 +239,19 @@ def test_default_max_scale_is_two_to_the_24() -> None:
 def test_min_scale_floors_backoff() -> None:
     scaler = GradScaler(init_scale=150.0, min_scale=100.0, growth_interval=5)
     step(scaler, True)
-    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
     step(scaler, True)
-    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1, last="local")
     step(scaler, True)
-    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1)
+    expect(scaler, scale=100.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=1, last="local")
 
 
 def test_default_min_scale_is_one() -> None:
     scaler = GradScaler(init_scale=2.0)
     step(scaler, True)
-    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
     step(scaler, True)
-    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=1, last="local")
 
 
 def test_min_equal_max_pins_the_scale() -> None:
@@ -256,11 +265,11 @@ def test_min_equal_max_pins_the_scale() -> None:
 def test_scale_underflows_to_zero_without_floor() -> None:
     scaler = GradScaler(init_scale=2 * TINY, min_scale=None, growth_interval=2)
     step(scaler, True)
-    expect(scaler, scale=TINY, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=TINY, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
     step(scaler, True)  # TINY / 2 is a tie between 0 and TINY: rounds to even, 0
-    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2)
+    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2, last="local")
     step(scaler, True)
-    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=2)
+    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=2, last="local")
     step(scaler, False)
     step(scaler, False)  # 0 * growth_factor is still 0: no growth counted
     expect(scaler, scale=0.0, good=0, hysteresis=1, steps=5, skipped=3, growths=0, backoffs=2)
@@ -278,7 +287,7 @@ def test_counters_only_count_real_changes() -> None:
     step(scaler, False)  # float32(1 + 2**-30) == 1: the scale did not change
     expect(scaler, scale=1.0, good=0, hysteresis=1, steps=1, skipped=0, growths=0, backoffs=0)
     step(scaler, True)  # float32(1 - 2**-30) == 1
-    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=0)
+    expect(scaler, scale=1.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=0, last="local")
 
 
 def test_hysteresis_tracker_never_goes_below_zero() -> None:
@@ -295,6 +304,7 @@ def test_hysteresis_tracker_never_goes_below_zero() -> None:
             skipped=n,
             growths=0,
             backoffs=max(n - 1, 0),
+            last="local",
         )
 
 
@@ -319,7 +329,7 @@ def test_several_checks_in_one_step_count_one_step() -> None:
     assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True
     scaler.update()
     assert scaler.had_overflow() is True
-    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1)
+    expect(scaler, scale=512.0, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
 
 
 def test_scripted_trajectory() -> None:
@@ -362,6 +372,7 @@ def test_scripted_trajectory() -> None:
             skipped=skipped,
             growths=growths,
             backoffs=backoffs,
+            last="local" if overflow else "none",
         )
 
 
@@ -381,3 +392,60 @@ def test_long_clean_run_counts_growths(hysteresis: int) -> None:
             growths=grown,
             backoffs=0,
         )
+
+
+class ScriptedRanks:
+    """A stand-in for the other ranks' votes: each vote, they report the next scripted overflow flag."""
+
+    def __init__(self, others: list[bool]) -> None:
+        self.others = list(others)
+
+    def reduce_max(self, flags: object, stream: object) -> None:
+        raise AssertionError("NumPy gradients vote on the host")
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        others = self.others.pop(0)
+        return local_overflow or others
+
+
+def test_overflow_on_another_rank_only_counts_a_remote_skip() -> None:
+    # (this rank's gradients overflow, another rank's do) for each step.
+    steps = [(False, False), (False, True), (True, False), (True, True), (False, False), (False, False)]
+    ranks = ScriptedRanks([others for _, others in steps])
+    scaler = GradScaler(init_scale=1024.0, growth_interval=2, hysteresis=1, comm=ranks)
+
+    def remote_step(local: bool, others: bool) -> None:
+        grad = np.array([np.inf if local else 1.0], np.float32)
+        assert scaler.unscale_and_check([grad]) is not (local or others)
+        scaler.update()
+        assert scaler.had_overflow() is (local or others)
+        assert scaler.nonfinite_gradients() == ([0] if local else [])
+
+    remote_step(*steps[0])
+    expect(scaler, scale=1024.0, good=1, hysteresis=1, steps=1, skipped=0, growths=0, backoffs=0)
+    remote_step(*steps[1])
+    expect(
+        scaler, scale=512.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=1, remote=1, last="remote"
+    )
+    checkpoint = scaler.checkpoint()
+    assert (checkpoint.found_overflow, checkpoint.found_overflow_local, checkpoint.remote_skipped_steps) == (
+        True,
+        False,
+        1,
+    )
+    remote_step(*steps[2])
+    expect(scaler, scale=256.0, good=0, hysteresis=0, steps=3, skipped=2, growths=0, backoffs=2, remote=1, last="local")
+    remote_step(*steps[3])
+    expect(scaler, scale=128.0, good=0, hysteresis=0, steps=4, skipped=3, growths=0, backoffs=3, remote=1, last="local")
+    remote_step(*steps[4])
+    remote_step(*steps[5])
+    expect(scaler, scale=256.0, good=0, hysteresis=1, steps=6, skipped=3, growths=1, backoffs=3, remote=1)
+    assert ranks.others == []
+
+    # The remote state survives a version-2 checkpoint file, into a scaler without a communicator.
+    resumed = GradScaler()
+    resumed.load_checkpoint(GradScalerCheckpoint.from_bytes(checkpoint.to_bytes()))
+    expect(
+        resumed, scale=512.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=1, remote=1, last="remote"
+    )
+    assert resumed.checkpoint() == checkpoint

@@ -1,0 +1,165 @@
+"""A multilayer perceptron written by hand over an array module ``xp`` (NumPy or CuPy).
+
+The same code runs in float16 and in float32: the dtype of the weights passed
+in decides. In float16, matrix products take fp16 inputs, accumulate in fp32
+and round the result to fp16 (what GPU tensor cores do); everything else
+(bias adds, ReLU, the backward's masks) is fp16 arithmetic. Softmax and the
+loss are computed in fp32 from the fp16 logits, as mixed-precision training does.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Adam",
+    "Forward",
+    "backward",
+    "cross_entropy",
+    "forward",
+    "init_params",
+    "parameter_names",
+]
+
+LAST_LAYER_STD = 0.01  # a small readout, so the first logits are near 0 and the first loss near log(classes)
+
+
+def parameter_names(layers: int) -> list[str]:
+    """Return ``["W1", "b1", ..., "W<layers>", "b<layers>"]``, the order used everywhere."""
+    return [name for i in range(1, layers + 1) for name in (f"W{i}", f"b{i}")]
+
+
+def init_params(sizes: list[int], seed: int) -> dict[str, np.ndarray]:
+    """Return float32 host arrays: He-normal hidden layers, a small last layer, zero biases."""
+    rng = np.random.default_rng([seed, 1])
+    params: dict[str, np.ndarray] = {}
+    layers = len(sizes) - 1
+    for i, (fan_in, fan_out) in enumerate(itertools.pairwise(sizes), start=1):
+        std = LAST_LAYER_STD if i == layers else float(np.sqrt(2.0 / fan_in))
+        params[f"W{i}"] = (rng.standard_normal((fan_in, fan_out)) * std).astype(np.float32)
+        params[f"b{i}"] = np.zeros(fan_out, dtype=np.float32)
+    return params
+
+
+def _matmul(xp: Any, a: Any, b: Any) -> Any:
+    """Multiply in the inputs' dtype; fp16 through an fp32 accumulator, like a GPU's tensor cores."""
+    if a.dtype == np.float16:
+        return xp.matmul(a.astype(np.float32), b.astype(np.float32)).astype(np.float16)
+    return xp.matmul(a, b)
+
+
+@dataclass
+class Forward:
+    """What the backward pass needs from the forward pass.
+
+    Attributes:
+        inputs: The input of each layer, in the compute dtype (``inputs[0]`` is the batch).
+        probs: Softmax probabilities, float32.
+    """
+
+    inputs: list[Any] = field(default_factory=list)
+    probs: Any = None
+
+
+def forward(xp: Any, params: Mapping[str, Any], x: Any) -> Forward:
+    """Run the network on ``x`` in the dtype of ``params``."""
+    layers = len(params) // 2
+    dtype = params["W1"].dtype
+    result = Forward()
+    h = x.astype(dtype)
+    for i in range(1, layers + 1):
+        result.inputs.append(h)
+        z = _matmul(xp, h, params[f"W{i}"]) + params[f"b{i}"]
+        h = xp.maximum(z, 0) if i < layers else z
+    logits = h.astype(np.float32)
+    logits -= logits.max(axis=1, keepdims=True)
+    exp = xp.exp(logits)
+    result.probs = exp / exp.sum(axis=1, keepdims=True)
+    return result
+
+
+def cross_entropy(xp: Any, probs: Any, labels: Any) -> Any:
+    """Return the mean cross-entropy as a 0-d float32 array (no host synchronization)."""
+    picked = probs[xp.arange(labels.shape[0]), labels]
+    return -xp.log(xp.maximum(picked, np.float32(1e-30))).mean()
+
+
+def backward(
+    xp: Any, params: Mapping[str, Any], fwd: Forward, labels: Any, seed: float
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Backpropagate ``seed`` times the mean cross-entropy, in the dtype of ``params``.
+
+    ``seed`` is d(training loss)/d(mean cross-entropy): the loss weight, times
+    the loss scale when the loss was scaled. The gradient of the logits is
+    formed in fp32 and rounded to the compute dtype, so in fp16 it overflows
+    to inf or underflows to 0 right there, as it would in a framework.
+
+    Returns:
+        The weight gradients (name -> array, compute dtype) and the activation
+        gradients ("logits", "h<i>": the gradients flowing into each layer's output).
+    """
+    layers = len(params) // 2
+    dtype = params["W1"].dtype
+    batch = labels.shape[0]
+    delta = fwd.probs.copy()
+    delta[xp.arange(batch), labels] -= 1
+    delta *= np.float32(seed / batch)
+    g = delta.astype(dtype)
+    activation_grads = {"logits": g}
+    grads: dict[str, Any] = {}
+    for i in range(layers, 0, -1):
+        h_in = fwd.inputs[i - 1]
+        grads[f"W{i}"] = _matmul(xp, h_in.T, g)
+        grads[f"b{i}"] = g.sum(axis=0, dtype=np.float32).astype(dtype)
+        if i > 1:
+            g = _matmul(xp, g, params[f"W{i}"].T) * (h_in > 0)  # h_in is a ReLU output
+            activation_grads[f"h{i - 1}"] = g
+    ordered = {name: grads[name] for name in parameter_names(layers)}
+    return ordered, activation_grads
+
+
+@dataclass
+class Adam:
+    """Adam on float32 master weights, written out by hand.
+
+    ``eps`` scales with the loss weight, so in exact arithmetic the updates do
+    not depend on the loss weight at all; with a power-of-two weight they do
+    not in float32 either.
+    """
+
+    lr: float
+    eps: float
+    m: dict[str, Any]
+    v: dict[str, Any]
+    t: int = 0
+    beta1: float = 0.9
+    beta2: float = 0.999
+
+    @classmethod
+    def zeros_like(cls, xp: Any, params: Mapping[str, Any], lr: float, eps: float) -> Adam:
+        """Start with zero moments for every parameter."""
+        return cls(
+            lr=lr,
+            eps=eps,
+            m={name: xp.zeros_like(p) for name, p in params.items()},
+            v={name: xp.zeros_like(p) for name, p in params.items()},
+        )
+
+    def step(self, xp: Any, params: Mapping[str, Any], grads: Mapping[str, Any]) -> None:
+        """Update ``params`` in place from float32 ``grads`` (call only on steps that are taken)."""
+        self.t += 1
+        correction1 = 1.0 - self.beta1**self.t
+        correction2 = 1.0 - self.beta2**self.t
+        for name, param in params.items():
+            grad, m, v = grads[name], self.m[name], self.v[name]
+            m *= np.float32(self.beta1)
+            m += np.float32(1.0 - self.beta1) * grad
+            v *= np.float32(self.beta2)
+            v += np.float32(1.0 - self.beta2) * (grad * grad)
+            denominator = xp.sqrt(v / np.float32(correction2)) + np.float32(self.eps)
+            param -= np.float32(self.lr) * (m / np.float32(correction1)) / denominator

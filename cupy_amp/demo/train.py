@@ -1,0 +1,281 @@
+"""The training loop: one optimizer step at a time, with the loss scaler around the backward pass.
+
+Three modes share the loop:
+
+* ``amp``: fp16 weights and activations, fp32 master weights, loss scaling;
+* ``fp16``: the same with ``GradScaler(enabled=False)``: every scaler call is a no-op;
+* ``fp32``: everything in float32, no scaler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from cupy_amp.demo.data import Dataset, batch_indices
+from cupy_amp.demo.device import Device
+from cupy_amp.demo.model import Adam, Forward, backward, cross_entropy, forward, init_params
+from cupy_amp.demo.options import ScalerSettings, Settings
+from cupy_amp.scaler import GradScaler
+
+__all__ = [
+    "MODES",
+    "History",
+    "RunState",
+    "StepOutcome",
+    "Trainer",
+    "Underflow",
+    "build_scaler",
+    "make_scaler",
+    "new_state",
+    "run_steps",
+]
+
+MODES = {"amp": "fp16 + loss scaling", "fp16": "fp16, no loss scaling", "fp32": "fp32"}
+ADAM_EPS = 1e-8  # PyTorch's default, multiplied by the loss weight
+
+
+@dataclass
+class History:
+    """Per-step records of a run, kept whole across resumes (index i is step i + 1)."""
+
+    loss: list[float] = field(default_factory=list)
+    accuracy: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)
+    skipped: list[bool] = field(default_factory=list)
+
+    def append(self, outcome: StepOutcome) -> None:
+        """Record one step."""
+        self.loss.append(outcome.loss)
+        self.accuracy.append(outcome.accuracy)
+        self.scale.append(outcome.scale)
+        self.skipped.append(outcome.skipped)
+
+    def __len__(self) -> int:
+        return len(self.loss)
+
+
+@dataclass
+class Underflow:
+    """Gradient elements that were exactly 0 in fp16 while the fp32 backward pass had them nonzero."""
+
+    zeroed: dict[str, int] = field(default_factory=dict)
+    nonzero: dict[str, int] = field(default_factory=dict)
+
+    def add(self, name: str, zeroed: int, nonzero: int) -> None:
+        """Count one tensor of one step."""
+        self.zeroed[name] = self.zeroed.get(name, 0) + zeroed
+        self.nonzero[name] = self.nonzero.get(name, 0) + nonzero
+
+    def fraction(self, names: list[str] | None = None) -> float:
+        """Return zeroed / nonzero over ``names`` (default: all tensors), 0.0 when nothing was counted."""
+        keys = list(self.nonzero) if names is None else [name for name in names if name in self.nonzero]
+        total = sum(self.nonzero[name] for name in keys)
+        return sum(self.zeroed[name] for name in keys) / total if total else 0.0
+
+
+@dataclass
+class RunState:
+    """Everything besides the scaler that a resumed run needs: masters, Adam, step, history."""
+
+    step: int
+    masters: dict[str, Any]
+    adam: Adam
+    history: History
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did, for the progress display and the event log.
+
+    Attributes:
+        step: The step's number, from 1.
+        loss: Mean cross-entropy of the batch (not multiplied by the loss weight or scale).
+        accuracy: Fraction of the batch classified right.
+        scale: The loss scale the step used (1.0 without scaling).
+        skipped: The gradients overflowed and the optimizer step was skipped.
+        nonfinite: Names of the gradients that held inf/nan.
+        backoff: (scale before, after) when ``update()`` backed off.
+        growth: (scale before, after) when ``update()`` grew the scale.
+        skipped_total: Steps skipped so far in the whole run.
+    """
+
+    step: int
+    loss: float
+    accuracy: float
+    scale: float
+    skipped: bool
+    nonfinite: tuple[str, ...] = ()
+    backoff: tuple[float, float] | None = None
+    growth: tuple[float, float] | None = None
+    skipped_total: int = 0
+
+
+def make_scaler(mode: str, scaler: ScalerSettings) -> GradScaler | None:
+    """Return the run's scaler: configured for ``amp``, disabled for ``fp16``, none for ``fp32``."""
+    return None if mode == "fp32" else build_scaler(scaler, enabled=mode == "amp")
+
+
+def build_scaler(scaler: ScalerSettings, *, enabled: bool = True) -> GradScaler:
+    """Return a GradScaler with the demo's parameters.
+
+    Raises:
+        ConfigError: A parameter is out of range.
+    """
+    return GradScaler(
+        init_scale=scaler.init_scale,
+        growth_factor=scaler.growth_factor,
+        backoff_factor=scaler.backoff_factor,
+        growth_interval=scaler.growth_interval,
+        enabled=enabled,
+        min_scale=scaler.min_scale,
+        max_scale=scaler.max_scale,
+        hysteresis=scaler.hysteresis,
+    )
+
+
+def new_state(device: Device, settings: Settings, dataset: Dataset) -> RunState:
+    """Initialize the fp32 master weights and Adam's moments on ``device``."""
+    xp = device.xp
+    sizes = [dataset.features, *settings.hidden, dataset.classes]
+    masters = {name: xp.asarray(value) for name, value in init_params(sizes, settings.seed).items()}
+    adam = Adam.zeros_like(xp, masters, settings.lr, ADAM_EPS * settings.loss_weight)
+    return RunState(step=0, masters=masters, adam=adam, history=History())
+
+
+class Trainer:
+    """Runs steps of one mode on one device; the state and the scaler are read and changed in place."""
+
+    def __init__(
+        self,
+        mode: str,
+        settings: Settings,
+        dataset: Dataset,
+        device: Device,
+        state: RunState,
+        scaler: GradScaler | None,
+        *,
+        measure_underflow: bool = False,
+    ) -> None:
+        self.mode = mode
+        self.settings = settings
+        self.device = device
+        self.state = state
+        self.scaler = scaler
+        self.underflow = Underflow() if measure_underflow and mode != "fp32" else None
+        xp = device.xp
+        self._examples = len(dataset.y_train)
+        self._x_train, self._y_train = xp.asarray(dataset.x_train), xp.asarray(dataset.y_train)
+        self._x_eval, self._y_eval = xp.asarray(dataset.x_eval), xp.asarray(dataset.y_eval)
+        self._dtype = np.float32 if mode == "fp32" else np.float16
+        # The fp32 master gradients: allocated once, so the scaler sees the same arrays every step.
+        self._master_grads = {name: xp.zeros_like(p) for name, p in state.masters.items()}
+        self._weights = self._working_weights()
+
+    def _working_weights(self) -> dict[str, Any]:
+        """The weights the forward and backward passes use: fp16 copies of the masters, or the masters."""
+        if self._dtype == np.float32:
+            return self.state.masters
+        return {name: master.astype(np.float16) for name, master in self.state.masters.items()}
+
+    def step(self) -> StepOutcome:
+        """Train one step and record it in the history."""
+        xp = self.device.xp
+        indices = xp.asarray(
+            batch_indices(self.settings.seed, self.state.step, self.settings.batch_size, self._examples)
+        )
+        x, y = self._x_train[indices], self._y_train[indices]
+        with np.errstate(over="ignore", invalid="ignore"):  # fp16 overflow is expected; the scaler handles it
+            outcome = self._step_fp32(x, y) if self.scaler is None else self._step_fp16(x, y, self.scaler)
+        self.state.step += 1
+        self.state.history.append(outcome)
+        return outcome
+
+    def _step_fp16(self, x: Any, y: Any, scaler: GradScaler) -> StepOutcome:
+        xp = self.device.xp
+        scale = scaler.scale_factor()
+        weights = self._weights
+        fwd = forward(xp, weights, x)  # fp16 forward pass
+        mean_loss = cross_entropy(xp, fwd.probs, y)  # 0-d fp32 array
+        loss = xp.array(mean_loss * np.float32(self.settings.loss_weight))  # the training loss, 0-d fp32
+        scaler.scale_loss(loss)  # loss *= scale, in place
+        # An autograd framework would now call loss.backward(); by hand, the backward pass starts
+        # from d(scaled loss)/d(mean loss) = scale * loss weight.
+        grads16, activation_grads = backward(xp, weights, fwd, y, scale * self.settings.loss_weight)
+        for name, grad in grads16.items():
+            self._master_grads[name][...] = grad  # upcast the scaled fp16 gradients into fp32 master gradients
+        finite = scaler.unscale_and_check(self._master_grads)  # divide by the scale; inf/nan anywhere -> False
+        if finite:
+            self.state.adam.step(xp, self.state.masters, self._master_grads)  # update the fp32 masters
+            self._weights = self._working_weights()  # and refresh their fp16 copies
+            if self.underflow is not None:
+                self._count_underflow(self.underflow, weights, fwd, y, (grads16, activation_grads))
+        before = scaler.stats()
+        scaler.update()  # back off after an overflow, grow after growth_interval clean steps
+        after = scaler.stats()
+        return StepOutcome(
+            step=self.state.step + 1,
+            loss=float(mean_loss),
+            accuracy=float((fwd.probs.argmax(axis=1) == y).mean()),
+            scale=scale,
+            skipped=not finite,
+            nonfinite=tuple(str(name) for name in scaler.nonfinite_gradients()),
+            backoff=(before.scale, after.scale) if after.backoffs > before.backoffs else None,
+            growth=(before.scale, after.scale) if after.growths > before.growths else None,
+            skipped_total=after.skipped_steps,
+        )
+
+    def _step_fp32(self, x: Any, y: Any) -> StepOutcome:
+        xp = self.device.xp
+        fwd = forward(xp, self.state.masters, x)
+        mean_loss = cross_entropy(xp, fwd.probs, y)
+        grads, _ = backward(xp, self.state.masters, fwd, y, self.settings.loss_weight)
+        self.state.adam.step(xp, self.state.masters, grads)
+        return StepOutcome(
+            step=self.state.step + 1,
+            loss=float(mean_loss),
+            accuracy=float((fwd.probs.argmax(axis=1) == y).mean()),
+            scale=1.0,
+            skipped=False,
+        )
+
+    def _count_underflow(
+        self,
+        underflow: Underflow,
+        weights: dict[str, Any],
+        fwd: Forward,
+        y: Any,
+        fp16_grads: tuple[dict[str, Any], dict[str, Any]],
+    ) -> None:
+        """Compare a step's fp16 gradients with an fp32 backward pass from the same weights and activations.
+
+        Scaling never turns a nonzero into 0 or back, so the scaled run's
+        fp16 gradients are compared as they are.
+        """
+        xp = self.device.xp
+        weights32 = {name: w.astype(np.float32) for name, w in weights.items()}
+        fwd32 = Forward(inputs=[h.astype(np.float32) for h in fwd.inputs], probs=fwd.probs)
+        reference = backward(xp, weights32, fwd32, y, self.settings.loss_weight)
+        for fp16_set, ref_set in zip(fp16_grads, reference, strict=True):
+            for name, grad in fp16_set.items():
+                ref_nonzero = ref_set[name] != 0
+                zeroed = int(xp.count_nonzero((grad == 0) & ref_nonzero))
+                underflow.add(name, zeroed, int(xp.count_nonzero(ref_nonzero)))
+
+    def evaluate(self) -> tuple[float, float]:
+        """Return the held-out (loss, accuracy), computed in the run's own precision."""
+        xp = self.device.xp
+        with np.errstate(over="ignore", invalid="ignore"):
+            fwd = forward(xp, self._weights, self._x_eval)
+            loss = float(cross_entropy(xp, fwd.probs, self._y_eval))
+            accuracy = float((fwd.probs.argmax(axis=1) == self._y_eval).mean())
+        return loss, accuracy
+
+
+def run_steps(trainer: Trainer, total: int, on_step: Callable[[StepOutcome], None]) -> None:
+    """Step ``trainer`` until its state reaches step ``total``, calling ``on_step`` after each."""
+    while trainer.state.step < total:
+        on_step(trainer.step())

@@ -1,0 +1,110 @@
+"""An in-process stand-in for a communicator: N ranks as N threads, votes through a barrier.
+
+:class:`FakeVote` implements :class:`cupy_amp.distributed.OverflowVote` for
+NumPy int32 flags and host flags. Every vote is a collective: each rank deposits
+its flag, waits for all the others, then reads the MAX. The barrier has a
+timeout, so a rank that does not join a vote makes the others raise
+``threading.BrokenBarrierError`` quickly instead of hanging the test run (as a
+real NCCL all-reduce would).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import numpy as np
+
+__all__ = ["FakeVote", "FakeWorld", "run_ranks"]
+
+T = TypeVar("T")
+
+
+class FakeWorld:
+    """The shared side of the stand-in communicator: one slot per rank and a barrier.
+
+    Attributes:
+        size: The number of ranks.
+        votes: For each rank, the (local flag, agreed flag) of every vote it took part in, in order.
+    """
+
+    def __init__(self, size: int, timeout: float = 5.0) -> None:
+        self.size = size
+        self._barrier = threading.Barrier(size, timeout=timeout)
+        self._slots = [0] * size
+        self.votes: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+
+    def max_over_ranks(self, rank: int, value: int) -> int:
+        """Deposit ``value`` for ``rank``, wait for every rank, and return the maximum (a collective)."""
+        self._slots[rank] = value
+        self._barrier.wait()
+        agreed = max(self._slots)
+        self._barrier.wait()  # nobody deposits the next vote before everyone has read this one
+        self.votes[rank].append((value, agreed))
+        return agreed
+
+    def sync(self) -> None:
+        """Wait until every rank gets here (a plain barrier, not counted as a vote)."""
+        self._barrier.wait()
+
+    def abort(self) -> None:
+        """Break the barrier, so ranks waiting in a vote fail at once."""
+        self._barrier.abort()
+
+    def vote_count(self, rank: int) -> int:
+        """Return how many votes ``rank`` took part in."""
+        return len(self.votes[rank])
+
+
+class FakeVote:
+    """One rank's :class:`~cupy_amp.distributed.OverflowVote` over a :class:`FakeWorld`."""
+
+    def __init__(self, world: FakeWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+
+    def reduce_max(self, flags: Any, stream: Any) -> None:
+        """Set ``flags[1]`` to the maximum over all ranks of ``flags[0]`` (``stream`` is ignored)."""
+        if not isinstance(flags, np.ndarray) or flags.dtype != np.int32 or flags.shape != (2,):
+            raise TypeError(f"reduce_max expected a NumPy int32 array of shape (2,), got {flags!r}.")
+        flags[1] = self.world.max_over_ranks(self.rank, int(flags[0]))
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        """Return True if any rank's ``local_overflow`` was True."""
+        if not isinstance(local_overflow, bool):
+            raise TypeError(f"host_vote expected a bool, got {type(local_overflow).__name__}.")
+        return bool(self.world.max_over_ranks(self.rank, int(local_overflow)))
+
+
+def run_ranks(world: FakeWorld, body: Callable[[FakeWorld, int], T], join_timeout: float = 30.0) -> list[T]:
+    """Run ``body(world, rank)`` for every rank in its own thread and return the results by rank.
+
+    When a rank raises, the barrier is broken so the others stop at their next
+    vote; the first rank's own error is re-raised in preference to the
+    ``BrokenBarrierError`` it caused elsewhere.
+    """
+    results: list[Any] = [None] * world.size
+    errors: list[BaseException | None] = [None] * world.size
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = body(world, rank)
+        except BaseException as exc:
+            errors[rank] = exc
+            world.abort()
+
+    threads = [threading.Thread(target=target, args=(rank,), daemon=True) for rank in range(world.size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(join_timeout)
+    stuck = [rank for rank, thread in enumerate(threads) if thread.is_alive()]
+    if stuck:
+        world.abort()
+        raise TimeoutError(f"ranks {stuck} did not finish within {join_timeout} s")
+    raised = [error for error in errors if error is not None]
+    if raised:
+        causes = [error for error in raised if not isinstance(error, threading.BrokenBarrierError)]
+        raise (causes or raised)[0]
+    return results

@@ -1,0 +1,182 @@
+"""tools/check_kernels.py: every kernel compiles cleanly, and planted problems are reported at their source line."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Iterator
+from itertools import product
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cupy_amp.kernel_sources as kernel_sources
+from cupy_amp.kernel_sources import KERNEL_FILES
+from tools import check_kernels
+
+pytestmark = pytest.mark.nvrtc
+
+REPO = Path(__file__).resolve().parent.parent
+HEADER = "cupy_amp_common.cuh"
+_REPORTED = re.compile(r"^\s*(?P<path>\S+?):(?P<line>\d+): (?P<kind>error|warning): (?P<text>.*)$", re.MULTILINE)
+
+
+@pytest.fixture(autouse=True)
+def fresh_source_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv("CUPY_AMP_KERNEL_DIR", raising=False)
+    kernel_sources._read_inlined.cache_clear()
+    yield
+    kernel_sources._read_inlined.cache_clear()
+
+
+@pytest.fixture
+def kernel_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of kernels/ that CUPY_AMP_KERNEL_DIR points at, to plant problems in."""
+    copy = tmp_path / "kernels"
+    shutil.copytree(REPO / "kernels", copy)
+    monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(copy))
+    return copy
+
+
+def insert_line(path: Path, after: str, text: str) -> int:
+    """Insert ``text`` after the first line containing ``after``; return the new line's 1-based number."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    index = next(i for i, line in enumerate(lines) if after in line) + 1
+    lines.insert(index, text)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return index + 1
+
+
+def reported(stderr: str) -> list[tuple[str, int, str, str]]:
+    return [(m["path"], int(m["line"]), m["kind"], m["text"]) for m in _REPORTED.finditer(stderr)]
+
+
+def test_check_all_compiles_every_kernel_for_sm70_sm80_sm90_without_diagnostics() -> None:
+    results = check_kernels.check_all()
+    assert sorted((r.file, r.arch) for r in results) == sorted(product(KERNEL_FILES, ("70", "80", "90")))
+    for result in results:
+        assert result.diagnostics == (), (result.file, result.arch)
+        assert result.ok, (result.file, result.arch)
+
+
+def test_main_on_the_source_kernels_returns_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert check_kernels.main(["--arch", "80"]) == 0
+    out, err = capsys.readouterr()
+    assert f"kernels from {REPO / 'kernels'}" in out
+    assert all(f"ok     sm_80 {name}" in out for name in KERNEL_FILES)
+    assert err == ""
+
+
+@pytest.mark.parametrize("arch", ["70", "80", "90"])
+def test_compile_options_are_cupys_plus_cupy_amps(arch: str) -> None:
+    from cupy_amp.cuda_kernels import compile_options as runtime_options
+
+    options = check_kernels.compile_options(arch)
+    for cupy_adds in ("-ftz=true", "--device-as-default-execution-space", f"-arch=sm_{arch}"):
+        assert cupy_adds in options
+    assert set(runtime_options()) <= set(options)
+    assert "--std=c++17" in options
+    assert any(option.startswith("-DCUPY_AMP_THREADS=") for option in options)
+    assert len(options) == len(runtime_options()) + 3
+
+
+def test_compile_kernel_passes_exactly_those_options_to_nvrtc(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy.cuda import nvrtc
+
+    seen: list[tuple[str, ...]] = []
+    real = nvrtc.compileProgram
+
+    def spy(program: Any, options: Any) -> Any:
+        seen.append(tuple(options))
+        return real(program, options)
+
+    monkeypatch.setattr(nvrtc, "compileProgram", spy)
+    result = check_kernels.compile_kernel("scale_loss.cu", "90")
+    assert result.ok
+    assert seen == [check_kernels.compile_options("90")]
+
+
+def test_compiled_source_is_the_inlined_kernel_source(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy.cuda import nvrtc
+
+    sources: list[str] = []
+    real = nvrtc.createProgram
+
+    def spy(source: str, name: str, headers: Any, include_names: Any) -> Any:
+        sources.append(source)
+        return real(source, name, headers, include_names)
+
+    monkeypatch.setattr(nvrtc, "createProgram", spy)
+    check_kernels.compile_kernel("unscale_check.cu", "80")
+    assert sources == [kernel_sources.read_kernel_source("unscale_check.cu")]
+
+
+def test_planted_warning_fails_and_points_at_its_line(kernel_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = kernel_copy / "scale_loss.cu"
+    # Into the body of the template cupy_amp_scale_loss (its signature ends on this line).
+    line = insert_line(target, "long long chunk_size, float scale) {", "    int planted_unused_variable = 3;")
+    assert check_kernels.main(["--arch", "80"]) == 1
+    out, err = capsys.readouterr()
+    assert "FAILED sm_80 scale_loss.cu" in out
+    assert "ok     sm_80 unscale_check.cu" in out
+    findings = reported(err)
+    assert findings
+    assert {(path, number, kind) for path, number, kind, _ in findings} == {(str(target), line, "warning")}
+    assert all("planted_unused_variable" in text for *_, text in findings)
+
+
+def test_planted_error_after_the_include_points_at_its_line(
+    kernel_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target = kernel_copy / "unscale_check.cu"
+    line = insert_line(target, f'#include "{HEADER}"', "int planted_error = planted_undefined_identifier;")
+    assert check_kernels.main(["--arch", "80"]) == 1
+    out, err = capsys.readouterr()
+    assert "FAILED sm_80 unscale_check.cu" in out
+    assert "ok     sm_80 scale_loss.cu" in out
+    findings = reported(err)
+    assert {(path, number, kind) for path, number, kind, _ in findings} == {(str(target), line, "error")}
+    assert "planted_undefined_identifier" in findings[0][3]
+
+
+def test_planted_error_in_the_shared_header_points_at_the_header(
+    kernel_copy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    header = kernel_copy / HEADER
+    line = insert_line(header, "typedef unsigned long long cupy_amp_u64;", "planted_unknown_type planted_variable;")
+    assert line > 20  # far enough down that a wrong mapping would show
+    assert check_kernels.main(["--arch", "80", "--arch", "90"]) == 1
+    out, err = capsys.readouterr()
+    for name, arch in product(KERNEL_FILES, ("80", "90")):
+        assert f"FAILED sm_{arch} {name}" in out
+    findings = reported(err)
+    assert len(findings) == 2 * len(KERNEL_FILES)  # once per kernel file and architecture
+    assert {(path, number, kind) for path, number, kind, _ in findings} == {(str(header), line, "error")}
+    assert all("planted_unknown_type" in text for *_, text in findings)
+
+
+def test_compile_result_carries_the_diagnostics(kernel_copy: Path) -> None:
+    target = kernel_copy / "scale_loss.cu"
+    line = insert_line(
+        target, "CUPY_AMP_SCALE_LOSS_ENTRY(cupy_amp_scale_loss_float64", 'static_assert(sizeof(int) == 0, "planted");'
+    )
+    result = check_kernels.compile_kernel("scale_loss.cu", "70")
+    assert not result.ok
+    assert (result.file, result.arch) == ("scale_loss.cu", "70")
+    assert any(d.startswith(f"{target}:{line}: error: ") and "planted" in d for d in result.diagnostics)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="tools/check_kernels.py:33 _DIAGNOSTIC only matches 'error'/'warning' right after the location, so "
+    "NVRTC's 'catastrophic error' (#error, a missing system header) is reported as 'scale_loss.cu(N): ...' "
+    "instead of path:line:",
+)
+def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
+    target = kernel_copy / "scale_loss.cu"
+    line = insert_line(target, "CUPY_AMP_SCALE_LOSS_ENTRY(cupy_amp_scale_loss_float64", "#error planted stop")
+    result = check_kernels.compile_kernel("scale_loss.cu", "80")
+    assert not result.ok
+    assert any(d.startswith(f"{target}:{line}: ") and "planted stop" in d for d in result.diagnostics)
