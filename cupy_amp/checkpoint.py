@@ -92,7 +92,8 @@ class GradScalerCheckpoint:
         tracker = expect_int(CheckpointFieldError, "hysteresis_tracker", self.hysteresis_tracker, 0)
         if tracker > config.hysteresis:
             raise CheckpointFieldError(
-                f"Invalid 'hysteresis_tracker': expected an int in [0, hysteresis={config.hysteresis}], got {tracker!r}."
+                f"Invalid 'hysteresis_tracker': expected an int in [0, hysteresis={config.hysteresis}], "
+                f"got {tracker!r}."
             )
         set_field(self, "hysteresis_tracker", tracker)
         for name in ("steps", "skipped_steps", "growths", "backoffs", "remote_skipped_steps"):
@@ -156,7 +157,9 @@ class GradScalerCheckpoint:
             CheckpointFieldError: A field is missing or unknown, or a value is invalid.
         """
         if not isinstance(fields, Mapping):
-            raise CheckpointFieldError(f"Invalid checkpoint: expected a mapping of fields, got {type(fields).__name__}.")
+            raise CheckpointFieldError(
+                f"Invalid checkpoint: expected a mapping of fields, got {type(fields).__name__}."
+            )
         expected = [field.name for field in dataclasses.fields(cls)]
         missing = [name for name in expected if name not in fields]
         unknown = sorted(repr(name) for name in fields if name not in expected)

@@ -95,10 +95,8 @@ def dense_base(array: cupy.ndarray) -> int | None:
         if stride != expected:
             return None
         expected *= extent
-    low = int(array.data.ptr) + sum(
-        (extent - 1) * stride for extent, stride in zip(array.shape, array.strides) if stride < 0
-    )
-    return low
+    offset = sum((extent - 1) * stride for extent, stride in zip(array.shape, array.strides) if stride < 0)
+    return int(array.data.ptr) + int(offset)
 
 
 def chunk_elements(itemsize: int) -> int:

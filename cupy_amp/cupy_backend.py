@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.array_backend import byte_extent
-from cupy_amp.errors import GradientValueError
+from cupy_amp.errors import GradientTypeError, GradientValueError
 
 try:
     import cupy
@@ -180,15 +180,21 @@ class CupyBackend:
     def shares_memory(self, first: Any, second: Any) -> bool:
         return bool(cupy.shares_memory(first, second))
 
+    def _dtype_name(self, dtype: Any) -> str:
+        name = self._kernels.kernel_dtype_name(dtype)
+        if name is None:  # validation refuses such arrays before they get here
+            raise GradientTypeError(f"dtype {dtype} has no kernel (expected float16, float32 or float64)")
+        return name
+
     def scale_in_place(self, loss: Any, scale: np.float32) -> None:
-        dtype_name = self._kernels.kernel_dtype_name(loss.dtype)
+        dtype_name = self._dtype_name(loss.dtype)
         with _on_device(loss.device.id):
             self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
 
     def prepare(self, arrays: Sequence[Any]) -> CupyUnscalePlan:
         positions_by_group: dict[tuple[int, str], list[int]] = {}
         for position, array in enumerate(arrays):
-            key = (array.device.id, self._kernels.kernel_dtype_name(array.dtype))
+            key = (array.device.id, self._dtype_name(array.dtype))
             positions_by_group.setdefault(key, []).append(position)
         groups = []
         for (device_id, dtype_name), positions in positions_by_group.items():

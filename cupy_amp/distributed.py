@@ -59,9 +59,7 @@ class NcclVote:
         if self._raw:
             from cupy.cuda import nccl
 
-            self._comm.allReduce(
-                flags.data.ptr, flags.data.ptr + 4, 1, nccl.NCCL_INT32, nccl.NCCL_MAX, stream.ptr
-            )
+            self._comm.allReduce(flags.data.ptr, flags.data.ptr + 4, 1, nccl.NCCL_INT32, nccl.NCCL_MAX, stream.ptr)
         else:
             self._comm.all_reduce(flags[0:1], flags[1:2], op="max", stream=stream)
 
@@ -83,7 +81,8 @@ def overflow_vote_for(comm: Any) -> OverflowVote | None:
     if comm is None:
         return None
     if hasattr(comm, "reduce_max") and hasattr(comm, "host_vote"):
-        return comm  # already a vote (a custom transport, or a test stand-in)
+        vote: OverflowVote = comm  # already a vote (a custom transport, or a test stand-in)
+        return vote
     if hasattr(comm, "allReduce") or (hasattr(comm, "all_reduce") and hasattr(comm, "rank")):
         return NcclVote(comm)
     raise ArgumentTypeError(

@@ -84,6 +84,8 @@ class PreparedCallCache:
                 if not prepared.plan.still_valid(arrays):
                     del self._calls[index]
                     return None
+                if index:
+                    self._calls.insert(0, self._calls.pop(index))
                 return prepared, arrays
         return None
 

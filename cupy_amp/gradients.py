@@ -230,4 +230,3 @@ def _entries(gradients: Any) -> Iterable[tuple[Hashable, Any]]:
 
 def _is_single_array(obj: Any) -> bool:
     return hasattr(obj, "__array_interface__") or hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "dtype")
-

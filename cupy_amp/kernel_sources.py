@@ -19,6 +19,7 @@ from cupy_amp.errors import KernelSourceNotFoundError
 __all__ = ["KERNEL_FILES", "NVRTC_OPTIONS", "kernel_directory", "kernel_search_path", "read_kernel_source"]
 
 KERNEL_FILES = ("scale_loss.cu", "unscale_check.cu")
+SHARED_HEADER = "cupy_amp_common.cuh"
 # Options cupy-amp passes to cupy.RawModule. CuPy adds its own on top
 # (-ftz=true, -arch=sm_XX, --device-as-default-execution-space):
 # tools/check_kernels.py compiles with the same set.
@@ -44,17 +45,29 @@ def kernel_directory() -> Path:
         KernelSourceNotFoundError: No folder holds them; the message lists every path searched.
     """
     searched = kernel_search_path()
-    for folder in searched:
-        if all((folder / name).is_file() for name in KERNEL_FILES):
-            return folder
     listing = "\n".join(f"  {folder}" for folder in searched)
+    override = os.environ.get("CUPY_AMP_KERNEL_DIR")
+    if override and not _holds_kernels(Path(override)):
+        # An explicit choice that does not hold the sources is a mistake to report, not to route around.
+        raise KernelSourceNotFoundError(
+            f"CUPY_AMP_KERNEL_DIR={override!r} does not hold cupy-amp's kernel sources "
+            f"({', '.join((*KERNEL_FILES, SHARED_HEADER))}); unset it to use the installed ones. "
+            f"Search path:\n{listing}\n"
+        )
+    for folder in searched:
+        if _holds_kernels(folder):
+            return folder
     raise KernelSourceNotFoundError(
         f"cupy-amp's CUDA kernel sources ({', '.join(KERNEL_FILES)}) were not found. Searched:\n{listing}\n"
         "Reinstall cupy-amp, or set CUPY_AMP_KERNEL_DIR to the folder holding them."
     )
 
 
-@functools.lru_cache(maxsize=None)
+def _holds_kernels(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in (*KERNEL_FILES, SHARED_HEADER))
+
+
+@functools.cache
 def _read_inlined(path: Path) -> str:
     lines = path.read_text(encoding="utf-8").splitlines()
     pieces = []

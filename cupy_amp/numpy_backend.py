@@ -62,7 +62,7 @@ class NumpyBackend:
 
     def shares_memory(self, first: np.ndarray, second: np.ndarray) -> bool:
         try:
-            return bool(np.shares_memory(first, second, max_work=10_000))
+            return bool(np.shares_memory(first, second, max_work=10_000))  # type: ignore[arg-type]
         except np.exceptions.TooHardError:
             return True  # cannot prove them disjoint: treat as aliased
 

@@ -11,8 +11,8 @@ import numpy as np
 from cupy_amp.array_backend import OverflowCheck, UnscalePlan
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
-from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.distributed import overflow_vote_for
+from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradient_cache import PreparedCallCache
 from cupy_amp.gradients import GradientBatch, GradientSet, check_disjoint, collect_gradients, collect_loss
 from cupy_amp.stats import GradScalerStats
@@ -208,10 +208,10 @@ class GradScaler:
             batch = GradientBatch(prepared.labels, arrays, prepared.backend)
             plan: UnscalePlan | None = prepared.plan
         else:
-            if isinstance(gradients, GradientSet):
-                batch = gradients.batch
-            else:
-                batch = collect_gradients(gradients)
+            # A set's members may have changed in place (made read-only, say) since it was
+            # built: validate again on a miss; its disjointness cannot have changed.
+            batch = collect_gradients(gradients)
+            if not isinstance(gradients, GradientSet):
                 check_disjoint([batch])
             plan = batch.backend.prepare(batch.arrays) if batch.backend is not None and batch.arrays else None
             if plan is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -56,9 +57,8 @@ def to_float32(value: float) -> float:
 
 def inverse_scale(scale: float) -> np.float32:
     """Return ``float32(1 / float64(scale))``; infinite for a scale of 0."""
-    if scale == 0.0:
-        return np.float32(math.inf)
-    return np.float32(to_float32(1.0 / scale))
+    # np.float32(...) is typed as returning Any by NumPy's stubs.
+    return cast(np.float32, np.float32(math.inf if scale == 0.0 else to_float32(1.0 / scale)))
 
 
 def next_state(

@@ -167,13 +167,6 @@ def test_compile_result_carries_the_diagnostics(kernel_copy: Path) -> None:
     assert any(d.startswith(f"{target}:{line}: error: ") and "planted" in d for d in result.diagnostics)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="tools/check_kernels.py:33 _DIAGNOSTIC only matches 'error'/'warning' right after the location, so "
-    "NVRTC's 'catastrophic error' (#error, a missing system header) is reported as 'scale_loss.cu(N): ...' "
-    "instead of path:line:",
-)
 def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
     target = kernel_copy / "scale_loss.cu"
     line = insert_line(target, "CUPY_AMP_SCALE_LOSS_ENTRY(cupy_amp_scale_loss_float64", "#error planted stop")

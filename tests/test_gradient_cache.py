@@ -522,13 +522,6 @@ def test_gradient_set_in_two_calls_of_one_step_raises_duplicate_and_unscales_onc
     assert scaler.unscale_and_check(gradient_set)  # a new step: fine again
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="library bug: scaler.py's GradientSet branch trusts gradients.batch when the cached plan is no longer "
-    "valid, so a member made read-only after construction gets NumPy's ValueError mid-run, after earlier "
-    "members were already unscaled",
-)
 def test_gradient_set_member_made_read_only_later_is_refused_before_anything_is_modified() -> None:
     scaler = make_scaler()
     first, second = new_array(8.0), new_array(8.0)

@@ -134,6 +134,13 @@ def interleaved_medians(timers: dict[str, Callable[[int], float]], repeats: int,
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def copy_timer() -> Callable[[int], float]:
+    """Return a timer of the 2 GiB device-to-device copy that defines the bandwidth floor."""
+    src = cupy.random.standard_normal(COPY_ELEMENTS, dtype=cupy.float32)
+    dst = cupy.empty_like(src)
+    return cupy_event_timer(lambda _: cupy.copyto(dst, src))
+
+
 def make_gradients(shapes: list[tuple[int, ...]], dtype: str, seed: int) -> list[cupy.ndarray]:
     rng = cupy.random.default_rng(seed)
     return [rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for shape in shapes]
@@ -253,14 +260,12 @@ def measure(name: str, args: argparse.Namespace, repeats: int, seed: int) -> Row
     shapes, dtype = WORKLOADS[name]
     grads = make_gradients(shapes, dtype, seed)
     check_detection(grads)
-    src = cupy.random.standard_normal(COPY_ELEMENTS, dtype=cupy.float32)
-    dst = cupy.empty_like(src)
-    timers = {"copy": cupy_event_timer(lambda _: cupy.copyto(dst, src))}
+    timers = {"copy": copy_timer()}
     timers.update(our_timers(grads, step=name == "gpt2-small-fp32"))
     if not args.skip_torch:
         timers.update(torch_timers(grads))
     medians = interleaved_medians(timers, repeats)
-    del src, dst
+    del timers
 
     copy_tbps = 2 * COPY_ELEMENTS * 4 / (medians["copy"] * 1e-6) / 1e12
     bytes_moved = 2 * sum(int(g.nbytes) for g in grads)

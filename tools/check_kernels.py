@@ -30,7 +30,9 @@ CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
 KNOWN_TARGET_NOTICES = (
     "nvrtc: warning: Architectures prior to '<compute/sm>_75' are deprecated and may be removed in a future release",
 )
-_DIAGNOSTIC = re.compile(r"^(?P<file>[^\s(]+)\((?P<line>\d+)\): (?P<kind>error|warning)[^:]*: (?P<text>.*)$")
+_DIAGNOSTIC = re.compile(
+    r"^(?P<file>[^\s(]+)\((?P<line>\d+)\): (?P<kind>(?:catastrophic )?error|warning)[^:]*: (?P<text>.*)$"
+)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,11 @@ def compile_kernel(file_name: str, arch: str) -> CompileResult:
         log = nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
-    lines = [line.strip() for line in log.splitlines() if line.strip() and line.strip() not in KNOWN_TARGET_NOTICES]
+    lines = [
+        line.strip()
+        for line in log.splitlines()
+        if line.strip() and line.strip() not in KNOWN_TARGET_NOTICES and not line.strip().startswith("Remark:")
+    ]
     diagnostics = tuple(_format(line) for line in lines if _is_diagnostic(line))
     if failed and not diagnostics:
         diagnostics = (f"{file_name}: compilation failed: {log.strip() or 'no log'}",)

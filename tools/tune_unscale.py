@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from tools.bench_unscale import (  # noqa: E402
     COPY_ELEMENTS,
     INV_SCALES,
     WORKLOADS,
+    copy_timer,
     cupy_event_timer,
     interleaved_medians,
     make_gradients,
@@ -83,6 +85,18 @@ def build(variant: Variant, grads: list[cupy.ndarray]) -> tuple[object, cuda_ker
     return module.get_function(f"cupy_amp_unscale_check_{table.dtype_name}"), table
 
 
+def launcher(variant: Variant, grads: list[cupy.ndarray], flag: cupy.ndarray) -> Callable[[int], None]:
+    """Return a function launching ``variant`` over ``grads`` once (alternating unscale factors)."""
+    kernel, table = build(variant, grads)
+    args = [table.chunks, table.layout_offsets, table.layout, np.int64(table.chunk_count), None, None, flag]
+
+    def launch(i: int) -> None:
+        args[4], args[5] = INV_SCALES[i % 2], np.int32(i + 1)
+        kernel((table.chunk_count,), (variant.threads,), (*args, table.tensor_found))  # type: ignore[operator]
+
+    return launch
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=20)
@@ -93,29 +107,9 @@ def main() -> int:
     print("variant: threads/min blocks per SM/unroll/chunk/chunk order(+streaming hints); cells: us, fraction of floor")
     for seed, (name, (shapes, dtype)) in enumerate(WORKLOADS.items()):
         grads = make_gradients(shapes, dtype, seed)
-        src = cupy.random.standard_normal(COPY_ELEMENTS, dtype=cupy.float32)
-        dst = cupy.empty_like(src)
-        timers = {"copy": cupy_event_timer(lambda _: cupy.copyto(dst, src))}
+        timers = {"copy": copy_timer()}
         for variant in VARIANTS:
-            kernel, table = build(variant, grads)
-
-            def launch(i: int, kernel: object = kernel, table: cuda_kernels.DeviceTable = table, v: Variant = variant) -> None:
-                kernel(  # type: ignore[operator]
-                    (table.chunk_count,),
-                    (v.threads,),
-                    (
-                        table.chunks,
-                        table.layout_offsets,
-                        table.layout,
-                        np.int64(table.chunk_count),
-                        INV_SCALES[i % 2],
-                        np.int32(i + 1),
-                        flag,
-                        table.tensor_found,
-                    ),
-                )
-
-            timers[variant.label] = cupy_event_timer(launch)
+            timers[variant.label] = cupy_event_timer(launcher(variant, grads, flag))
         medians = interleaved_medians(timers, args.repeats)
         copy_tbps = 2 * COPY_ELEMENTS * 4 / (medians["copy"] * 1e-6) / 1e12
         floor_us = 2 * sum(int(g.nbytes) for g in grads) / (copy_tbps * 1e12) * 1e6
@@ -125,7 +119,7 @@ def main() -> int:
             us = medians[variant.label]
             results[name]["variants"][variant.label] = {**asdict(variant), "us": us, "fraction": floor_us / us}
             print(f"    {variant.label:28} {us:9.1f} us  {floor_us / us:6.3f}", flush=True)
-        del grads, src, dst, timers
+        del grads, timers
         cupy.get_default_memory_pool().free_all_blocks()
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TextIO
 
 from cupy_amp.demo.data import Dataset, load_dataset
-from cupy_amp.demo.device import Device, select_device
+from cupy_amp.demo.device import Device, select_device, small_matrix_threads
 from cupy_amp.demo.options import (
     DEFAULT_STEPS,
     DemoError,
@@ -66,7 +66,8 @@ def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
     progress: dict[str, int] = {}
     try:
         plan = _plan(args)
-        _train(args, plan, reporter, progress)
+        with small_matrix_threads(plan.device):
+            _train(args, plan, reporter, progress)
     except DemoUsageError as exc:
         reporter.end_progress()
         err.write(f"cupy-amp demo: error: {exc}\n")
@@ -235,7 +236,6 @@ def _compare(plan: _Plan, reporter: Reporter, main: RunSummary) -> dict[str, His
         state = new_state(plan.device, plan.settings, plan.dataset)
         scaler = make_scaler(mode, plan.scaler_settings)
         trainer = Trainer(mode, plan.settings, plan.dataset, plan.device, state, scaler, measure_underflow=True)
-        started = time.perf_counter()
         label = {"fp16": "fp16, no scaling", "fp32": "fp32"}[mode]
 
         def show(outcome: StepOutcome, label: str = label) -> None:
@@ -243,7 +243,6 @@ def _compare(plan: _Plan, reporter: Reporter, main: RunSummary) -> dict[str, His
 
         reporter.line(f"compare  training {MODES[mode]} ...")
         run_steps(trainer, plan.steps, show)
-        seconds = time.perf_counter() - started
         reporter.end_progress()
         loss, accuracy = trainer.evaluate()
         skipped = None if scaler is None else scaler.stats().skipped_steps

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,7 +10,7 @@ import numpy as np
 
 from cupy_amp.demo.options import DemoError
 
-__all__ = ["Device", "select_device"]
+__all__ = ["Device", "select_device", "small_matrix_threads"]
 
 
 @dataclass(frozen=True)
@@ -70,3 +71,22 @@ def _probe_gpu() -> tuple[Device | None, str]:
 def _short(exc: BaseException) -> str:
     text = f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
     return text if len(text) <= 160 else text[:157] + "..."
+
+
+def small_matrix_threads(device: Device) -> contextlib.AbstractContextManager[Any]:
+    """Limit NumPy's BLAS to one thread while training on the CPU, when threadpoolctl is installed.
+
+    The demo's matrices are small (512 x 64); a multithreaded BLAS spends more
+    time synchronizing its threads than multiplying, several times more on a
+    busy two-core machine. Results depend on the thread count (the summation
+    order does), so a run and its resumption should agree on having
+    threadpoolctl. Without it, nothing changes.
+    """
+    if device.kind != "cpu":
+        return contextlib.nullcontext()
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return contextlib.nullcontext()
+    limits: contextlib.AbstractContextManager[Any] = threadpool_limits(limits=1, user_api="blas")
+    return limits

@@ -326,14 +326,23 @@ def settings_from_args(
     """
     base = saved if saved is not None else DEFAULTS
     base_scaler = saved_scaler if saved_scaler is not None else SCALER_DEFAULTS
-    settings = replace(base, **_given(args, _SETTINGS_FLAGS, base, saved is not None))
-    scaler = replace(base_scaler, **_given(args, _SCALER_FLAGS, base_scaler, saved_scaler is not None))
+    conflicts: list[str] = []
+    settings = replace(base, **_given(args, _SETTINGS_FLAGS, base, saved is not None, conflicts))
+    scaler = replace(base_scaler, **_given(args, _SCALER_FLAGS, base_scaler, saved_scaler is not None, conflicts))
+    if conflicts:
+        raise DemoUsageError(
+            "--resume continues a run with its own settings; these flags disagree with it: "
+            + "; ".join(conflicts)
+            + ". Leave them out, or start a new run with --out."
+        )
     return settings, scaler
 
 
-def _given(args: argparse.Namespace, flags: dict[str, str], base: Any, resumed: bool) -> dict[str, Any]:
+def _given(
+    args: argparse.Namespace, flags: dict[str, str], base: Any, resumed: bool, conflicts: list[str]
+) -> dict[str, Any]:
+    """Return the flags given explicitly; on resume, append those that disagree with the run to ``conflicts``."""
     changes: dict[str, Any] = {}
-    conflicts: list[str] = []
     for name, flag in flags.items():
         value = getattr(args, name, None)
         if value is None:
@@ -343,10 +352,4 @@ def _given(args: argparse.Namespace, flags: dict[str, str], base: Any, resumed: 
         if resumed and value != getattr(base, name):
             conflicts.append(f"--{flag} {format_power(value)} (the run has {format_power(getattr(base, name))})")
         changes[name] = value
-    if conflicts:
-        raise DemoUsageError(
-            "--resume continues a run with its own settings; these flags disagree with it: "
-            + "; ".join(conflicts)
-            + ". Leave them out, or start a new run with --out."
-        )
     return changes

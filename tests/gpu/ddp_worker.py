@@ -138,7 +138,8 @@ SCENARIOS = {
 
 
 def main() -> int:
-    scenario, rank, world, port, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), Path(sys.argv[5])
+    scenario, out = sys.argv[1], Path(sys.argv[5])
+    rank, world, port = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     raw = scenario.endswith("+raw")
     name = scenario.removesuffix("+raw")
     comm = init(rank, world, port, out, raw=raw)

@@ -79,8 +79,9 @@ def test_views_offset_from_alignment(dtype: type, offset: int) -> None:
     assert_same_bits(host, device)
     # The elements before the view were not touched.
     for original, d in zip(grads, device):
-        assert np.array_equal(bits(cupy.asnumpy(d.base[:offset]) if d.base is not None else original[:offset]),
-                              bits(original[:offset]))
+        assert np.array_equal(
+            bits(cupy.asnumpy(d.base[:offset]) if d.base is not None else original[:offset]), bits(original[:offset])
+        )
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
@@ -153,8 +154,11 @@ def test_zero_scale_generates_the_same_nan_bits() -> None:
     cpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
     gpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
     for scaler in (cpu, gpu):
-        scaler.unscale_and_check([np.array([np.inf], dtype=np.float32)] if scaler is cpu
-                                 else [cupy.asarray(np.array([np.inf], dtype=np.float32))])
+        scaler.unscale_and_check(
+            [np.array([np.inf], dtype=np.float32)]
+            if scaler is cpu
+            else [cupy.asarray(np.array([np.inf], dtype=np.float32))]
+        )
         scaler.update()
         assert scaler.scale_factor() == 0.0
     host = [g.copy() for g in grads]
@@ -191,7 +195,7 @@ def test_scale_loss_matches_numpy(dtype: type) -> None:
         if device is None:  # rebuild the same non-contiguous view on the device
             base = cupy.asarray(loss.base if loss.base is not None else loss)
             device = base.T if loss.ndim == 2 else base[::-3]
-            host = (loss.base.copy().T if loss.ndim == 2 else loss.base.copy()[::-3])
+            host = loss.base.copy().T if loss.ndim == 2 else loss.base.copy()[::-3]
         GradScaler().scale_loss(host)
         before = device.data.ptr
         GradScaler().scale_loss(device)

@@ -1,0 +1,394 @@
+"""cupy-amp demo, end to end on the CPU: the log, checkpoints, exact resume, --compare, --plot, errors."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.cli import main
+from cupy_amp.demo.data import batch_indices
+from cupy_amp.demo.device import select_device
+from cupy_amp.demo.options import ScalerSettings, Settings
+from cupy_amp.demo.report import Reporter
+from cupy_amp.demo.train import StepOutcome, Trainer, make_scaler, new_state
+from tests.conftest import gpu_unavailable_reason
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+STEPS = 120  # with the default scaler settings: overflows and backoffs at steps 1-6, a growth at 56, an overflow at 60
+HALF = 60
+
+
+@dataclass(frozen=True)
+class Result:
+    status: int
+    out: str
+    err: str
+
+
+def demo(*args: str) -> Result:
+    """Run ``cupy-amp demo ARGS`` in this process, on the CPU, capturing its output."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["demo", "--device", "cpu", *args])
+    return Result(status, out.getvalue(), err.getvalue())
+
+
+def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
+    with np.load(directory / "state.npz", allow_pickle=False) as npz:
+        return {key: npz[key] for key in npz.files}
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Result]:
+    """One run of STEPS steps with every other setting at its default, saving into a directory."""
+    directory = tmp_path_factory.mktemp("uninterrupted")
+    result = demo("--steps", str(STEPS), "--out", str(directory), "--save-every", "50")
+    assert result.status == 0, result.err
+    return directory, result
+
+
+def test_default_settings_log_overflows_backoffs_and_growths(uninterrupted: tuple[Path, Result]) -> None:
+    _, result = uninterrupted
+    lines = result.out.splitlines()
+    assert re.search(
+        r"^step +1  overflow: inf/nan in \w+.* -> step skipped; backoff: scale 2\*\*36 -> 2\*\*35$", result.out, re.M
+    )
+    growths = [line for line in lines if "growth: scale" in line]
+    backoffs = [line for line in lines if "backoff: scale" in line]
+    assert growths and all(line.endswith("after 50 clean steps") for line in growths)
+    # Every overflow names the gradients that held inf/nan, and each (with hysteresis 1) backs off.
+    overflows = [line for line in lines if "overflow: inf/nan in" in line]
+    assert len(overflows) == len(backoffs) >= 5
+    assert all(re.search(r"inf/nan in (W|b)\d", line) for line in overflows)
+    # Plain progress lines, since the output is not a terminal: every 50 steps and the last.
+    progress = [line for line in lines if re.match(r"step +\d+/120  loss", line)]
+    assert [line.split()[1] for line in progress] == ["50/120", "100/120", "120/120"]
+    assert "\r" not in result.out and "\x1b" not in result.out
+    assert result.err == ""
+
+
+def test_the_log_agrees_with_the_saved_scaler_counters(uninterrupted: tuple[Path, Result]) -> None:
+    directory, result = uninterrupted
+    checkpoint = GradScalerCheckpoint.load(directory / "scaler.ckpt")
+    assert checkpoint.steps == STEPS
+    assert checkpoint.backoffs == result.out.count("backoff: scale")
+    assert checkpoint.growths == result.out.count("growth: scale")
+    assert checkpoint.skipped_steps == int(saved_arrays(directory)["history/skipped"].sum())
+    assert f"{checkpoint.skipped_steps} of {STEPS} steps skipped" in result.out
+
+
+def test_the_checkpoint_is_valid_for_the_validate_command(uninterrupted: tuple[Path, Result]) -> None:
+    directory, _ = uninterrupted
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert main(["validate", str(directory / "scaler.ckpt")]) == 0
+    assert out.getvalue().startswith("OK  ")
+    assert sorted(os.listdir(directory)) == ["scaler.ckpt", "state.npz"]  # no temporary files left
+
+
+def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(
+    uninterrupted: tuple[Path, Result], tmp_path: Path
+) -> None:
+    full_dir, full = uninterrupted
+    first = demo("--steps", str(HALF), "--out", str(tmp_path), "--save-every", "50")
+    assert first.status == 0, first.err
+    assert GradScalerCheckpoint.load(tmp_path / "scaler.ckpt").steps == HALF
+    second = demo("--resume", str(tmp_path), "--steps", str(STEPS))
+    assert second.status == 0, second.err
+    assert f"resumed  from {tmp_path} at step {HALF}" in second.out
+
+    expected, actual = saved_arrays(full_dir), saved_arrays(tmp_path)
+    assert sorted(expected) == sorted(actual)
+    for key, value in expected.items():
+        assert actual[key].dtype == value.dtype, key
+        assert actual[key].tobytes() == value.tobytes(), key  # weights, Adam moments, loss history: bit for bit
+    assert len(actual["history/loss"]) == STEPS
+    assert (
+        GradScalerCheckpoint.load(tmp_path / "scaler.ckpt").to_dict()
+        == GradScalerCheckpoint.load(full_dir / "scaler.ckpt").to_dict()
+    )
+    # The final evaluation and the log of the second half match too.
+    assert _line(second.out, "eval") == _line(full.out, "eval")
+    assert _events_after(second.out, HALF) == _events_after(full.out, HALF)
+
+
+def _line(text: str, prefix: str) -> str:
+    return next(line for line in text.splitlines() if line.startswith(prefix))
+
+
+def _events_after(text: str, step: int) -> list[str]:
+    events = re.findall(r"^step +(\d+)  (.*)$", text, re.M)
+    return [event for number, event in events if int(number) > step]
+
+
+def test_resume_refuses_flags_that_disagree_with_the_run(uninterrupted: tuple[Path, Result]) -> None:
+    directory, _ = uninterrupted
+    result = demo("--resume", str(directory), "--steps", str(STEPS + 10), "--lr", "0.1", "--init-scale", "2**20")
+    assert result.status == 2
+    assert "--lr 0.1 (the run has 0.005)" in result.err
+    assert "--init-scale 2**20 (the run has 2**36)" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_resume_refuses_a_run_already_at_the_target(uninterrupted: tuple[Path, Result]) -> None:
+    directory, _ = uninterrupted
+    result = demo("--resume", str(directory), "--steps", str(STEPS))
+    assert result.status == 2
+    assert f"already at step {STEPS}" in result.err
+
+
+def test_a_new_run_does_not_overwrite_a_saved_one(uninterrupted: tuple[Path, Result]) -> None:
+    directory, _ = uninterrupted
+    result = demo("--steps", "5", "--out", str(directory))
+    assert result.status == 2
+    assert "already holds a demo run" in result.err
+
+
+def test_resume_from_a_directory_without_a_run_fails_cleanly(tmp_path: Path) -> None:
+    result = demo("--resume", str(tmp_path))
+    assert result.status == 1
+    assert "not a demo checkpoint directory" in result.err
+    assert "Traceback" not in result.err
+
+
+def test_resume_detects_files_from_different_steps(tmp_path: Path) -> None:
+    early, late = tmp_path / "early", tmp_path / "late"
+    assert demo("--steps", "3", "--out", str(early)).status == 0
+    assert demo("--steps", "4", "--out", str(late)).status == 0
+    (late / "scaler.ckpt").write_bytes((early / "scaler.ckpt").read_bytes())
+    result = demo("--resume", str(late), "--steps", "10")
+    assert result.status == 1
+    assert "scaler.ckpt is at step 3 but state.npz at step 4" in result.err
+
+
+def test_compare_prints_three_rows_and_a_real_difference() -> None:
+    result = demo("--steps", "60", "--compare")
+    assert result.status == 0, result.err
+    rows = {}
+    for label in ("fp16 + loss scaling", "fp16, no loss scaling", "fp32"):
+        line = next(line for line in result.out.splitlines() if line.startswith(label + " "))
+        rows[label] = line[len(label) :].split()
+    accuracy, _, skipped, zeroed = rows["fp16 + loss scaling"]
+    assert int(skipped) >= 4  # the too-high start overflows
+    assert rows["fp16, no loss scaling"][2] == "0"  # a disabled scaler never skips
+    assert rows["fp32"][2:] == ["-", "-"]
+    # Measured, not asserted by construction: unscaled fp16 loses many gradient elements, scaled fp16 almost none.
+    unscaled_zeroed = float(rows["fp16, no loss scaling"][3].rstrip("%"))
+    assert unscaled_zeroed > 20
+    assert float(zeroed.rstrip("%")) < 1
+    assert "Without loss scaling" in result.out
+
+
+def test_plot_writes_a_png(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason='matplotlib is the optional "demo" extra (pip install "cupy-amp[demo]")')
+    target = tmp_path / "demo.png"
+    result = demo("--steps", "40", "--plot", str(target))
+    assert result.status == 0, result.err
+    data = target.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000  # two labelled panels, not an empty canvas
+    assert f"plot     {target}" in result.out
+
+
+def test_plot_without_matplotlib_fails_before_training(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes "import matplotlib" raise ImportError
+    result = demo("--steps", "40", "--plot", str(tmp_path / "demo.png"))
+    assert result.status == 1
+    assert 'pip install "cupy-amp[demo]"' in result.err
+    assert result.out == ""  # nothing was trained
+    assert not (tmp_path / "demo.png").exists()
+
+
+def test_digits_needs_scikit_learn_or_learns() -> None:
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        result = demo("--data", "digits", "--steps", "5")
+        assert result.status == 1
+        assert "--data digits needs scikit-learn" in result.err
+        return
+    result = demo("--data", "digits", "--steps", "150", "--batch-size", "256")
+    assert result.status == 0, result.err
+    accuracy = float(re.search(r"accuracy ([\d.]+)%", _line(result.out, "eval")).group(1))  # type: ignore[union-attr]
+    assert accuracy > 50  # 10 classes: chance is 10%
+
+
+def test_gpu_without_a_gpu_fails_cleanly() -> None:
+    if gpu_unavailable_reason() is None:
+        pytest.skip("a GPU is usable here; tests/gpu/test_demo_gpu.py runs the demo on it")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(["demo", "--device", "gpu", "--steps", "5"])
+    assert status == 1
+    assert err.getvalue().startswith("cupy-amp demo: --device gpu: no usable GPU")
+    assert "Traceback" not in err.getvalue()
+    assert out.getvalue() == ""
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--compare", "--resume", "x"], "cannot be combined with --resume"),
+        (["--backoff-factor", "1.5"], "Invalid 'backoff_factor'"),
+        (["--init-scale", "2**40", "--max-scale", "2**30"], "Invalid 'init_scale'"),
+        (["--batch-size", "100000"], "larger than the 8192 training examples"),
+    ],
+)
+def test_contradictory_flags_are_usage_errors(args: list[str], message: str) -> None:
+    result = demo(*args)
+    assert result.status == 2
+    assert message in result.err
+    assert "Traceback" not in result.err
+
+
+def test_malformed_numbers_are_rejected_by_the_parser() -> None:
+    result = demo("--init-scale", "lots")
+    assert result.status == 2
+    assert "expected a number such as 0.5 or 2**16" in result.err
+
+
+def test_help_explains_the_flags() -> None:
+    result = demo("--help")
+    assert result.status == 0
+    for flag in (
+        "--steps",
+        "--batch-size",
+        "--seed",
+        "--lr",
+        "--loss-weight",
+        "--init-scale",
+        "--growth-interval",
+        "--growth-factor",
+        "--backoff-factor",
+        "--min-scale",
+        "--max-scale",
+        "--hysteresis",
+        "--out",
+        "--save-every",
+        "--resume",
+        "--plot",
+        "--compare",
+        "--device",
+        "--data",
+    ):
+        assert flag in result.out
+
+
+def test_batches_are_a_function_of_seed_and_step_only() -> None:
+    first = batch_indices(3, 17, 64, 1000)
+    assert np.array_equal(first, batch_indices(3, 17, 64, 1000))
+    assert not np.array_equal(first, batch_indices(3, 18, 64, 1000))
+    assert len(set(first.tolist())) == 64
+
+
+def test_fp32_training_does_not_depend_on_a_power_of_two_loss_weight() -> None:
+    """The --help claim: Adam's epsilon scales with the loss weight, so fp32 training is unchanged (here exactly)."""
+    device, _ = select_device("cpu")
+    from cupy_amp.demo.data import load_dataset
+
+    dataset = load_dataset("builtin", 0)
+    masters = []
+    for weight in (1.0, 2.0**-13):
+        settings = Settings(loss_weight=weight)
+        trainer = Trainer("fp32", settings, dataset, device, new_state(device, settings, dataset), None)
+        losses = [trainer.step().loss for _ in range(20)]
+        masters.append((losses, {name: value.copy() for name, value in trainer.state.masters.items()}))
+    assert masters[0][0] == masters[1][0]
+    for name, value in masters[0][1].items():
+        assert value.tobytes() == masters[1][1][name].tobytes(), name
+
+
+def test_a_disabled_scaler_makes_the_loop_plain_fp16() -> None:
+    device, _ = select_device("cpu")
+    from cupy_amp.demo.data import load_dataset
+
+    dataset = load_dataset("builtin", 0)
+    settings = Settings()
+    scaler = make_scaler("fp16", ScalerSettings())
+    assert scaler is not None and not scaler.is_enabled()
+    trainer = Trainer("fp16", settings, dataset, device, new_state(device, settings, dataset), scaler)
+    outcomes = [trainer.step() for _ in range(5)]
+    assert all(o.scale == 1.0 and not o.skipped and o.backoff is None for o in outcomes)
+
+
+def test_reporter_draws_a_bar_on_a_terminal_and_prints_events_above_it() -> None:
+    stream = io.StringIO()
+    reporter = Reporter(stream, terminal=True)
+    outcome = StepOutcome(step=10, loss=0.5, accuracy=0.75, scale=2.0**33, skipped=False, skipped_total=2)
+    reporter.progress(outcome, 20)
+    overflow = StepOutcome(
+        step=20, loss=0.4, accuracy=0.8, scale=2.0**33, skipped=True, nonfinite=("W3",), backoff=(2.0**33, 2.0**32)
+    )
+    reporter.event(overflow, 50)
+    reporter.progress(overflow, 20)
+    reporter.end_progress()
+    text = stream.getvalue()
+    assert text.startswith("\r\x1b[2K[############............] step 10/20  loss 0.5000  acc  75.0%  scale 2**33")
+    assert "\r\x1b[2Kstep    20  overflow: inf/nan in W3 -> step skipped; backoff: scale 2**33 -> 2**32\n" in text
+    assert text.endswith("[########################] step 20/20  loss 0.4000  acc  80.0%  scale 2**33  skipped 0\n")
+
+
+def test_importing_the_cli_imports_neither_cupy_nor_the_demo_machinery() -> None:
+    code = (
+        "import sys; import cupy_amp.cli; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'matplotlib', 'sklearn') "
+        "or m.startswith('cupy_amp.demo.') and m != 'cupy_amp.demo.options'))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True)
+    assert done.stdout.strip() == "[]"
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+
+
+def test_the_console_entry_point_runs_the_demo_in_a_subprocess(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from cupy_amp.cli import main; raise SystemExit(main())",
+            "demo",
+            "--device",
+            "cpu",
+            "--steps",
+            "30",
+            "--out",
+            str(tmp_path / "run"),
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert "done     30 steps" in done.stdout
+    assert (tmp_path / "run" / "scaler.ckpt").is_file()
+
+
+def test_the_example_script_trains(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "train_loop.py")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("step 300: ")
+    accuracy = float(re.search(r"accuracy ([\d.]+)%", last).group(1))  # type: ignore[union-attr]
+    assert accuracy > 90
