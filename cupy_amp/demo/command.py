@@ -103,7 +103,8 @@ def _plan(args: argparse.Namespace) -> _Plan:
             "to continue it"
         )
     out = Path(args.out) if args.out else (Path(args.resume) if args.resume else None)
-    if out is not None and saved is None and (out / STATE_FILE).exists():
+    continuing_in_place = saved is not None and out is not None and out.resolve() == Path(args.resume).resolve()
+    if out is not None and not continuing_in_place and (out / STATE_FILE).exists():
         raise DemoUsageError(
             f"{out} already holds a demo run; continue it with --resume {out}, or choose another --out directory"
         )

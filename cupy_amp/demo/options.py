@@ -221,7 +221,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     scaler = parser.add_argument_group(
         "loss scaler (GradScaler's parameters; numbers may be written as 2**N)",
         "The defaults differ from the library's (init 2**16, ceiling 2**24): --loss-weight makes\n"
-        "this run's gradients tiny, and its scale moves between 2**32 and 2**35. The start is\n"
+        "this run's gradients tiny, and its scale settles between 2**31 and 2**35. The start is\n"
         "deliberately too high, so that the first steps overflow and the scaler backs off.",
     )
     scaler.add_argument(

@@ -53,7 +53,7 @@ def save_plot(path: str | os.PathLike[str], history: History, others: dict[str, 
     loss_axis.set_ylabel("training loss (batch mean)")
     loss_axis.set_title(title)
     loss_axis.grid(True, alpha=0.3)
-    loss_axis.legend(loc="upper right")
+    loss_axis.legend(loc="lower left")
 
     scale_axis.step(steps, history.scale, where="post", color="tab:green", lw=1.2, label="loss scale used")
     if skipped.any():

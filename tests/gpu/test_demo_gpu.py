@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -125,20 +128,50 @@ def test_the_scaler_treats_the_demo_gradients_identically_on_cpu_and_gpu() -> No
     assert scaler.stats().growths >= 1
 
 
-def test_cpu_and_gpu_runs_follow_the_same_scale_trajectory(tmp_path: Path) -> None:
-    """The whole run on each device: the model math differs in its last bits, the scale should not.
+def test_cpu_and_gpu_runs_follow_the_same_scale_trajectory_up_to_close_calls(tmp_path: Path) -> None:
+    """The whole run on each device: equal where it must be, close where rounding may decide.
 
     NumPy/OpenBLAS and CuPy/cuBLAS sum the matrix products in different
-    orders, so losses and weights drift apart by rounding. The scale changes
-    only when a gradient crosses float16's limit (65504), which the scaled
-    gradients miss by a wide margin on most steps; the first steps' losses
-    must agree to float16 rounding, and the scale trajectories of a short run
-    must be the same.
+    orders, so the gradients differ in their last bits and the runs drift
+    apart. The test above shows that the scaler turns equal gradients into
+    equal decisions; here the gradients are not equal, and whether a step
+    overflows is a threshold (65504) that a step right after a growth can
+    cross by a hair on one device and not the other. Measured on an H200
+    (CuPy 14.2, NumPy 2.5): identical trajectories through step 111, then a
+    close call shifted the sawtooth; over 600 steps the scales never differed
+    by more than 4x and both runs skipped 12 steps. So: the first losses
+    agree to rounding, the first three steps overflow on both (the start,
+    2**36, is 8x or more above where the scale settles), and afterwards the
+    scales stay within a factor 4 and the skip counts within 3.
     """
     cpu, gpu = tmp_path / "cpu", tmp_path / "gpu"
-    assert demo("--device", "cpu", "--steps", "120", "--out", str(cpu))[0] == 0
-    assert demo("--device", "gpu", "--steps", "120", "--out", str(gpu))[0] == 0
+    assert demo("--device", "cpu", "--steps", "200", "--out", str(cpu))[0] == 0
+    assert demo("--device", "gpu", "--steps", "200", "--out", str(gpu))[0] == 0
     on_cpu, on_gpu = saved_arrays(cpu), saved_arrays(gpu)
-    np.testing.assert_allclose(on_gpu["history/loss"][:5], on_cpu["history/loss"][:5], rtol=1e-3)
-    assert on_gpu["history/skipped"].tolist() == on_cpu["history/skipped"].tolist()
-    assert on_gpu["history/scale"].tolist() == on_cpu["history/scale"].tolist()
+    np.testing.assert_allclose(on_gpu["history/loss"][:10], on_cpu["history/loss"][:10], rtol=1e-5)
+    assert on_cpu["history/skipped"][:3].all() and on_gpu["history/skipped"][:3].all()
+    assert (
+        on_gpu["history/scale"][:4].tolist()
+        == on_cpu["history/scale"][:4].tolist()
+        == [2.0**36, 2.0**35, 2.0**34, 2.0**33]
+    )
+    ratio = np.abs(np.log2(on_gpu["history/scale"] / on_cpu["history/scale"]))
+    assert ratio.max() <= 2
+    assert abs(int(on_gpu["history/skipped"].sum()) - int(on_cpu["history/skipped"].sum())) <= 3
+
+
+def test_the_example_script_trains_on_the_gpu(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "train_loop.py"), "--gpu"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    assert last.startswith("step 300: ")
+    assert float(last.split("accuracy ")[1].split("%")[0]) > 90
