@@ -1,24 +1,27 @@
-"""Data-parallel FP16 training on every GPU of this machine, one process per GPU, with one shared verdict.
+"""Data-parallel FP16 training on the GPUs of this machine, one process per GPU, one shared verdict.
 
 Each rank trains the same small MLP regression on its own data shard;
 gradients are all-reduced with NCCL; each rank's GradScaler gets the
 communicator (``comm=``), so an overflow on any rank makes every rank skip
 the step and back off together. Now and then one rank gets an inf planted in
 its gradients (as a rank-local overflow would be), to show that the others
-follow. Each rank prints its scale trajectory; the launcher checks that all
-ranks ended with identical weights and scales.
+follow. Each rank prints its overflows and its scale; the launcher then
+checks that all ranks ended with identical scale trajectories and weights.
 
 Usage: python tools/ddp_example.py [--gpus N] [--steps 300]
-Needs CuPy with NCCL (cupy-cuda12x/13x and nvidia-nccl) and N >= 2 GPUs.
+Needs CuPy with NCCL and N >= 2 GPUs. The launcher starts one
+``python tools/ddp_example.py --rank R ...`` process per GPU.
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
+import json
 import os
 import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +31,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def train(rank: int, world: int, port: int, steps: int, results: mp.Queue) -> None:
+def train(rank: int, world: int, port: int, steps: int, out: Path) -> None:
+    """One rank: train, print this rank's story, write its trajectory and weights to ``out``."""
     import cupy
     from cupyx.distributed import init_process_group
 
@@ -48,8 +52,8 @@ def train(rank: int, world: int, port: int, steps: int, results: mp.Queue) -> No
         y = cupy.sin(x[:, :1].astype(cupy.float32) * 3).astype(cupy.float16)
         # Forward and backward in fp16, the loss gradient seeded with the scale.
         h = cupy.maximum(x @ w1.astype(cupy.float16), 0)
-        out = h @ w2.astype(cupy.float16)
-        seed = (out - y) * np.float16(2 * scaler.scale_factor() / out.size)
+        out_ = h @ w2.astype(cupy.float16)
+        seed = (out_ - y) * np.float16(2 * scaler.scale_factor() / out_.size)
         g2 = h.T @ seed
         g1 = x.T @ ((seed @ w2.astype(cupy.float16).T) * (h > 0))
         for grad in (g1, g2):
@@ -69,41 +73,70 @@ def train(rank: int, world: int, port: int, steps: int, results: mp.Queue) -> No
                 f"overflow {stats.last_overflow:6} culprits {scaler.nonfinite_gradients()}",
                 flush=True,
             )
-    checksum = float(cupy.abs(w1).sum() + cupy.abs(w2).sum())
-    results.put((rank, trajectory, cupy.asnumpy(w1).tobytes() + cupy.asnumpy(w2).tobytes(), checksum))
+    weights = (cupy.asnumpy(w1).tobytes() + cupy.asnumpy(w2).tobytes()).hex()
+    (out / f"rank{rank}.json").write_text(json.dumps({"trajectory": trajectory, "weights": weights}))
+
+
+def launch(world: int, steps: int) -> int:
+    """Start one process per GPU, wait for all, compare what they report."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0"}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--rank",
+                    str(r),
+                    "--world",
+                    str(world),
+                    "--port",
+                    str(port),
+                    "--steps",
+                    str(steps),
+                    "--out",
+                    tmp,
+                ],
+                env=env,
+            )
+            for r in range(world)
+        ]
+        codes = [proc.wait(timeout=900) for proc in procs]
+        if any(codes):
+            print(f"ddp_example: ranks exited with {codes}", file=sys.stderr)
+            return 1
+        results = [json.loads((Path(tmp) / f"rank{r}.json").read_text()) for r in range(world)]
+    for rank, result in enumerate(results):
+        trajectory = result["trajectory"]
+        changes = [(i, s) for i, s in enumerate(trajectory) if i == 0 or s != trajectory[i - 1]]
+        print(f"rank {rank}: final scale {trajectory[-1]:g}; scale changes (step, scale) {changes[:10]}")
+    agree = all(r["trajectory"] == results[0]["trajectory"] and r["weights"] == results[0]["weights"] for r in results)
+    print(f"all {world} ranks agree on every scale and on the final weights: {agree}")
+    return 0 if agree else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, default=0, help="processes/GPUs to use (default: all)")
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.rank is not None:
+        train(args.rank, args.world, args.port, args.steps, args.out)
+        return 0
     import cupy
 
     world = args.gpus or cupy.cuda.runtime.getDeviceCount()
     if world < 2:
         print(f"ddp_example: needs at least 2 GPUs, found {world}", file=sys.stderr)
         return 2
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    context = mp.get_context("spawn")
-    results: mp.Queue = context.Queue()
-    procs = [context.Process(target=train, args=(r, world, port, args.steps, results)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    finished = sorted(results.get(timeout=600) for _ in procs)
-    for proc in procs:
-        proc.join()
-    trajectories = [t for _, t, _, _ in finished]
-    weights = [w for _, _, w, _ in finished]
-    agree = all(t == trajectories[0] for t in trajectories) and all(w == weights[0] for w in weights)
-    for rank, trajectory, _, checksum in finished:
-        changes = [(i, s) for i, s in enumerate(trajectory) if i == 0 or s != trajectory[i - 1]]
-        print(f"rank {rank}: final scale {trajectory[-1]:g}, |w| sum {checksum:.6f}, scale changes {changes[:12]}")
-    print(f"all {world} ranks agree on every scale and on the final weights: {agree}")
-    return 0 if agree and all(p.exitcode == 0 for p in procs) else 1
+    return launch(world, args.steps)
 
 
 if __name__ == "__main__":

@@ -31,15 +31,18 @@ def init(rank: int, world: int, port: int, out: Path, raw: bool = False) -> obje
 
     id_file = out / "nccl_id.json"
     if rank == 0:
+        unique_id = nccl.get_unique_id()  # bytes in current CuPy, a tuple of ints in older ones
         staging = out / "nccl_id.json.tmp"
-        staging.write_text(json.dumps(list(nccl.get_unique_id())))
+        staging.write_text(json.dumps({"bytes": isinstance(unique_id, bytes), "values": list(unique_id)}))
         staging.replace(id_file)
     deadline = time.monotonic() + 60
     while not id_file.exists():
         if time.monotonic() > deadline:
             raise SystemExit("rank 0 never published the NCCL id")
         time.sleep(0.01)
-    return nccl.NcclCommunicator(world, tuple(json.loads(id_file.read_text())), rank)
+    published = json.loads(id_file.read_text())
+    unique_id = bytes(published["values"]) if published["bytes"] else tuple(published["values"])
+    return nccl.NcclCommunicator(world, unique_id, rank)
 
 
 def stats_row(scaler: GradScaler) -> dict[str, object]:
