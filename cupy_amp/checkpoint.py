@@ -121,6 +121,38 @@ class GradScalerCheckpoint:
                 f"got {self.remote_skipped_steps!r}."
             )
 
+    @classmethod
+    def capture(
+        cls,
+        config: ScalerConfig,
+        state: ScalerState,
+        *,
+        enabled: bool,
+        found_overflow: bool,
+        found_overflow_local: bool,
+    ) -> GradScalerCheckpoint:
+        """Build a checkpoint from a scaler's config, its state and its step flags (the inverse of
+        :meth:`config` and :meth:`state`)."""
+        return cls(
+            scale=state.scale,
+            growth_factor=config.growth_factor,
+            backoff_factor=config.backoff_factor,
+            growth_interval=config.growth_interval,
+            consecutive_good_steps=state.growth_tracker,
+            found_overflow=found_overflow,
+            found_overflow_local=found_overflow_local,
+            enabled=enabled,
+            min_scale=config.min_scale,
+            max_scale=config.max_scale,
+            hysteresis=config.hysteresis,
+            hysteresis_tracker=state.hysteresis_tracker,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
+        )
+
     def config(self) -> ScalerConfig:
         """Return the scaler configuration this checkpoint carries."""
         return ScalerConfig(

@@ -65,29 +65,25 @@ class PreparedCallCache:
             return None
         keys, values = split
         for index, prepared in enumerate(self._calls):
-            if not prepared.matches(keys, values):
-                continue
-            arrays = tuple(v for v in values if v is not None) if prepared.none_count else tuple(values)
-            if not prepared.plan.still_valid(arrays):
-                del self._calls[index]
-                return None
-            if index:
-                self._calls.insert(0, self._calls.pop(index))
-            return prepared, arrays
+            if prepared.matches(keys, values):
+                arrays = tuple(v for v in values if v is not None) if prepared.none_count else tuple(values)
+                return self._hit(index, arrays)
         return None
 
     def _lookup_set(self, gradients: GradientSet) -> tuple[PreparedCall, tuple[Any, ...]] | None:
         # A GradientSet is immutable: the same object means the same arrays, checked in O(1).
-        arrays = gradients.batch.arrays
         for index, prepared in enumerate(self._calls):
-            if prepared.refs[0]() is gradients and prepared.keys == _SET_KEY:
-                if not prepared.plan.still_valid(arrays):
-                    del self._calls[index]
-                    return None
-                if index:
-                    self._calls.insert(0, self._calls.pop(index))
-                return prepared, arrays
+            if prepared.keys == _SET_KEY and prepared.refs[0]() is gradients:
+                return self._hit(index, gradients.batch.arrays)
         return None
+
+    def _hit(self, index: int, arrays: tuple[Any, ...]) -> tuple[PreparedCall, tuple[Any, ...]] | None:
+        """Return the prepared call at ``index`` (moved to the front) if its plan still fits ``arrays``."""
+        prepared = self._calls.pop(index)
+        if not prepared.plan.still_valid(arrays):
+            return None
+        self._calls.insert(0, prepared)
+        return prepared, arrays
 
     def store(self, gradients: Any, batch: GradientBatch, plan: UnscalePlan) -> PreparedCall | None:
         """Remember a freshly validated call, when its argument can be recognised later."""

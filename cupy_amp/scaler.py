@@ -313,25 +313,12 @@ class GradScaler:
                 "checkpoint() was called in the middle of a step (after unscale_and_check(), before update()); "
                 "such a state cannot be resumed exactly. Call update() first."
             )
-        config, state = self._config, self._state
-        return GradScalerCheckpoint(
-            scale=state.scale,
-            growth_factor=config.growth_factor,
-            backoff_factor=config.backoff_factor,
-            growth_interval=config.growth_interval,
-            consecutive_good_steps=state.growth_tracker,
+        return GradScalerCheckpoint.capture(
+            self._config,
+            self._state,
+            enabled=self._enabled,
             found_overflow=self._found_overflow,
             found_overflow_local=self._found_overflow_local,
-            enabled=self._enabled,
-            min_scale=config.min_scale,
-            max_scale=config.max_scale,
-            hysteresis=config.hysteresis,
-            hysteresis_tracker=state.hysteresis_tracker,
-            steps=state.steps,
-            skipped_steps=state.skipped_steps,
-            growths=state.growths,
-            backoffs=state.backoffs,
-            remote_skipped_steps=state.remote_skipped_steps,
         )
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
