@@ -86,7 +86,10 @@ def dense_base(array: cupy.ndarray) -> int | None:
     Dense arrays (C- or F-ordered, transposed, reversed) are walked as flat
     memory, which is valid because unscaling treats every element alike.
     """
-    if array.flags.c_contiguous or array.flags.f_contiguous:
+    if array.ndim == 0:
+        return int(array.data.ptr)
+    flags = array.flags
+    if flags.c_contiguous or flags.f_contiguous:
         return int(array.data.ptr)
     itemsize = array.itemsize
     dims = sorted((abs(stride), extent) for extent, stride in zip(array.shape, array.strides) if extent > 1)

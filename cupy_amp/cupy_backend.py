@@ -188,7 +188,7 @@ class CupyBackend:
 
     def scale_in_place(self, loss: Any, scale: np.float32) -> None:
         dtype_name = self._dtype_name(loss.dtype)
-        with _on_device(loss.device.id):
+        with _on_device(loss.data.device_id):
             self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
 
     def prepare(self, arrays: Sequence[Any]) -> CupyUnscalePlan:
@@ -211,7 +211,7 @@ class CupyBackend:
     def run_plan(self, plan: CupyUnscalePlan, inv_scale: np.float32) -> CupyOverflowCheck:
         """Launch every group of ``plan``, then read each device's flag once."""
         epoch = next(self._epochs) % (2**31 - 1) + 1
-        factor = np.float32(inv_scale)
+        factor = inv_scale
         streams: dict[int, tuple[Any, _FlagSlot]] = {}
         for group in plan.groups:
             with _on_device(group.device_id):

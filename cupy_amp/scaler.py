@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -22,8 +21,7 @@ from cupy_amp.validation import expect_bool, expect_float32
 __all__ = ["GradScaler"]
 
 
-@dataclass(frozen=True)
-class _CheckedCall:
+class _CheckedCall(NamedTuple):
     """One ``unscale_and_check`` call of a step, kept to answer ``nonfinite_gradients``."""
 
     labels: tuple[Hashable, ...]
@@ -108,6 +106,8 @@ class GradScaler:
         self._step_batches: list[GradientBatch] = []
         # Gradient arguments seen before, so a repeated list skips validation and setup.
         self._prepared = PreparedCallCache()
+        self._inverse_of: float | None = None
+        self._inverse: np.float32 = inverse_scale(1.0)
 
     @classmethod
     def with_params(
@@ -182,7 +182,7 @@ class GradScaler:
                 self._vote.host_vote(True)
             raise
 
-        check = plan.run(batch.arrays, inverse_scale(self._state.scale), self._vote) if plan is not None else None
+        check = plan.run(batch.arrays, self._inverse_scale(), self._vote) if plan is not None else None
         if check is not None:
             overflowed, local = check.found_overflow(), check.local_overflow()
         else:  # nothing to check here; with a communicator this rank still votes
@@ -199,6 +199,13 @@ class GradScaler:
         self._found_overflow = self._found_overflow or overflowed
         self._found_overflow_local = self._found_overflow_local or local
         return not overflowed
+
+    def _inverse_scale(self) -> np.float32:
+        # Recomputed only when the scale changed: it is needed on every call.
+        scale = self._state.scale
+        if self._inverse_of != scale:
+            self._inverse_of, self._inverse = scale, inverse_scale(scale)
+        return self._inverse
 
     def _validated(self, gradients: Any) -> tuple[GradientBatch, UnscalePlan | None]:
         """Return the validated batch and the backend's plan for it (reused when seen before)."""
