@@ -191,7 +191,7 @@ def _grid(chunks: int) -> int:
     return min(chunks, _MAX_GRID)
 
 
-def half_pair(factor: np.float32) -> int:
+def half_pair(factor: np.float32) -> np.uint32:
     """Return ``factor`` as two packed float16 if it is a power of two float16 holds exactly, else 0.
 
     Then ``float32(x) * factor`` is exact for a float16 ``x``, so rounding it to
@@ -199,11 +199,11 @@ def half_pair(factor: np.float32) -> int:
     uses (one instruction per pair of elements instead of five).
     """
     value = float(factor)
-    mantissa, _ = math.frexp(value)
+    mantissa, exponent = math.frexp(value)
     if mantissa != 0.5 or not 2.0**-24 <= value <= 2.0**15:
-        return 0
+        return np.uint32(0)
     bits = int(np.float16(value).view(np.uint16))
-    return bits | bits << 16
+    return np.uint32(bits | bits << 16)
 
 
 def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: cupy.ndarray) -> None:
@@ -223,7 +223,7 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
             table.layout,
             np.int64(table.chunk_count),
             np.float32(inv_scale),
-            np.uint32(half_pair(inv_scale) if table.dtype_name == "float16" else 0),
+            half_pair(inv_scale) if table.dtype_name == "float16" else np.uint32(0),
             np.int32(epoch),
             found,
             table.tensor_found,

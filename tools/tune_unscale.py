@@ -89,7 +89,7 @@ def launcher(variant: Variant, grads: list[cupy.ndarray], flag: cupy.ndarray) ->
 
     def launch(i: int) -> None:
         factor = INV_SCALES[i % 2]
-        args[4], args[5], args[6] = factor, np.uint32(cuda_kernels.half_pair(factor) if half else 0), np.int32(i + 1)
+        args[4], args[5], args[6] = factor, cuda_kernels.half_pair(factor) if half else np.uint32(0), np.int32(i + 1)
         kernel((table.chunk_count,), (variant.threads,), (*args, table.tensor_found))  # type: ignore[operator]
 
     return launch
