@@ -9,7 +9,6 @@ Launches go on the current stream of the current device.
 from __future__ import annotations
 
 import functools
-import math
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,7 +26,6 @@ __all__ = [
     "build_device_table",
     "compile_options",
     "dense_base",
-    "half_pair",
     "kernel_dtype_name",
     "launch_scale_loss",
     "launch_unscale_check",
@@ -191,21 +189,6 @@ def _grid(chunks: int) -> int:
     return min(chunks, _MAX_GRID)
 
 
-def half_pair(factor: np.float32) -> np.uint32:
-    """Return ``factor`` as two packed float16 if it is a power of two float16 holds exactly, else 0.
-
-    Then ``float32(x) * factor`` is exact for a float16 ``x``, so rounding it to
-    float16 gives the same bits as a single float16 multiply, which the kernel
-    uses (one instruction per pair of elements instead of five).
-    """
-    value = float(factor)
-    mantissa, exponent = math.frexp(value)
-    if mantissa != 0.5 or not 2.0**-24 <= value <= 2.0**15:
-        return np.uint32(0)
-    bits = int(np.float16(value).view(np.uint16))
-    return np.uint32(bits | bits << 16)
-
-
 def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: cupy.ndarray) -> None:
     """Launch the fused unscale-and-check over ``table`` on the current stream.
 
@@ -223,7 +206,6 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
             table.layout,
             np.int64(table.chunk_count),
             np.float32(inv_scale),
-            half_pair(inv_scale) if table.dtype_name == "float16" else np.uint32(0),
             np.int32(epoch),
             found,
             table.tensor_found,

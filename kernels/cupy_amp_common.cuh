@@ -77,22 +77,7 @@ struct CupyAmpHalf {
         return (cupy_amp_u32)cupy_amp_f32_to_f16(low) | ((cupy_amp_u32)cupy_amp_f32_to_f16(high) << 16);
 #endif
     }
-    // half_pair: 0, or the factor as two packed float16 when it is a power of two
-    // inside float16's range. Then float32(x) * factor is exact, so rounding it to
-    // float16 equals one float16 multiply, and a pair takes one instruction.
-    static __device__ __forceinline__ cupy_amp_u32 pair_multiply_power_of_two(cupy_amp_u32 w, cupy_amp_u32 half_pair) {
-        cupy_amp_u32 r;
-        asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(w), "r"(half_pair));
-        return r;
-    }
-    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor, cupy_amp_u32 half_pair) {
-        if (half_pair) {
-            v.x = pair_multiply_power_of_two(v.x, half_pair);
-            v.y = pair_multiply_power_of_two(v.y, half_pair);
-            v.z = pair_multiply_power_of_two(v.z, half_pair);
-            v.w = pair_multiply_power_of_two(v.w, half_pair);
-            return;
-        }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
         v.x = pair_multiply_finite(v.x, factor);
         v.y = pair_multiply_finite(v.y, factor);
         v.z = pair_multiply_finite(v.z, factor);
@@ -115,7 +100,7 @@ struct CupyAmpSingle {
     static __device__ __forceinline__ cupy_amp_u32 lane_multiply_finite(cupy_amp_u32 w, float factor) {
         return __float_as_uint(cupy_amp_mul_f32(__uint_as_float(w), factor));
     }
-    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor, cupy_amp_u32) {
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
         v.x = lane_multiply_finite(v.x, factor);
         v.y = lane_multiply_finite(v.y, factor);
         v.z = lane_multiply_finite(v.z, factor);
@@ -138,7 +123,7 @@ struct CupyAmpDouble {
     static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
         return nonfinite(join(v.x, v.y)) | nonfinite(join(v.z, v.w));
     }
-    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor, cupy_amp_u32) {
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
         double a = __dmul_rn(__longlong_as_double((long long)join(v.x, v.y)), (double)factor);
         double b = __dmul_rn(__longlong_as_double((long long)join(v.z, v.w)), (double)factor);
         cupy_amp_u64 ra = (cupy_amp_u64)__double_as_longlong(a), rb = (cupy_amp_u64)__double_as_longlong(b);
@@ -170,8 +155,7 @@ __device__ __forceinline__ bool cupy_amp_apply(typename Type::bits* element, flo
 // to 16-byte alignment, a body of 16-byte vectors (several loads in flight per
 // thread), and a scalar tail.
 template <class Type>
-__device__ bool cupy_amp_apply_dense(
-    cupy_amp_u64 base, long long first, long long last, float factor, cupy_amp_u32 half_pair) {
+__device__ bool cupy_amp_apply_dense(cupy_amp_u64 base, long long first, long long last, float factor) {
     typedef typename Type::bits bits;
     const int vec = 16 / sizeof(bits);
     const int unroll = CUPY_AMP_UNROLL;
@@ -209,7 +193,7 @@ __device__ bool cupy_amp_apply_dense(
             if (index < vectors) {
                 bool vector_bad = Type::vector_nonfinite(loaded[k].raw);
                 if (!vector_bad && finite_factor) {
-                    Type::multiply_finite(loaded[k].raw, factor, half_pair);
+                    Type::multiply_finite(loaded[k].raw, factor);
                 } else {
 #pragma unroll
                     for (int lane = 0; lane < vec; ++lane) {
@@ -259,10 +243,9 @@ __device__ bool cupy_amp_apply_strided(
 // strides. Must be reached by every thread of the block (it synchronizes).
 template <class Type>
 __device__ bool cupy_amp_apply_range(
-    cupy_amp_u64 base, int ndim, const long long* layout, long long first, long long last, float factor,
-    cupy_amp_u32 half_pair = 0) {
+    cupy_amp_u64 base, int ndim, const long long* layout, long long first, long long last, float factor) {
     __shared__ long long staged_layout[2 * CUPY_AMP_MAX_NDIM];
-    if (ndim == 0) return cupy_amp_apply_dense<Type>(base, first, last, factor, half_pair);
+    if (ndim == 0) return cupy_amp_apply_dense<Type>(base, first, last, factor);
     __syncthreads();  // the previous chunk may still be reading staged_layout
     for (int k = threadIdx.x; k < 2 * ndim; k += blockDim.x) staged_layout[k] = layout[k];
     __syncthreads();

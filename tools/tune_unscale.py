@@ -46,20 +46,24 @@ class Variant:
     chunk_bytes: int
     longest_first: bool = True
     streaming: bool = False
-    half_pairs: bool = True
 
     @property
     def label(self) -> str:
         order = "lpt" if self.longest_first else "ord"
-        hint = ("+cs" if self.streaming else "") + ("" if self.half_pairs else "-h2")
+        hint = "+cs" if self.streaming else ""
         return f"{self.threads}/{self.min_blocks}/u{self.unroll}/{self.chunk_bytes // 1024}K/{order}{hint}"
 
 
 VARIANTS = [
-    Variant(512, 2, 4, 32768, streaming=True),
-    Variant(512, 2, 4, 32768, streaming=True, half_pairs=False),
+    Variant(512, 2, 4, 65536),
+    Variant(512, 2, 4, 65536, longest_first=False),
     Variant(512, 2, 4, 65536, streaming=True),
-    Variant(512, 2, 4, 65536, streaming=True, half_pairs=False),
+    Variant(512, 2, 4, 65536, longest_first=False, streaming=True),
+    Variant(512, 2, 4, 32768),
+    Variant(512, 2, 4, 32768, longest_first=False),
+    Variant(512, 2, 4, 32768, streaming=True),
+    Variant(1024, 1, 4, 131072),
+    Variant(256, 4, 4, 32768),
 ]
 
 
@@ -84,12 +88,10 @@ def build(variant: Variant, grads: list[cupy.ndarray]) -> tuple[object, cuda_ker
 def launcher(variant: Variant, grads: list[cupy.ndarray], flag: cupy.ndarray) -> Callable[[int], None]:
     """Return a function launching ``variant`` over ``grads`` once (alternating unscale factors)."""
     kernel, table = build(variant, grads)
-    args = [table.chunks, table.layout_offsets, table.layout, np.int64(table.chunk_count), None, None, None, flag]
-    half = table.dtype_name == "float16" and variant.half_pairs
+    args = [table.chunks, table.layout_offsets, table.layout, np.int64(table.chunk_count), None, None, flag]
 
     def launch(i: int) -> None:
-        factor = INV_SCALES[i % 2]
-        args[4], args[5], args[6] = factor, cuda_kernels.half_pair(factor) if half else np.uint32(0), np.int32(i + 1)
+        args[4], args[5] = INV_SCALES[i % 2], np.int32(i + 1)
         kernel((table.chunk_count,), (variant.threads,), (*args, table.tensor_found))  # type: ignore[operator]
 
     return launch
