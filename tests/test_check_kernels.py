@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
-from collections.abc import Iterator
 from itertools import product
 from pathlib import Path
 from typing import Any
@@ -15,28 +13,11 @@ import cupy_amp.kernel_sources as kernel_sources
 from cupy_amp.kernel_sources import KERNEL_FILES
 from tools import check_kernels
 
-pytestmark = pytest.mark.nvrtc
+pytestmark = [pytest.mark.nvrtc, pytest.mark.usefixtures("fresh_kernel_sources")]
 
 REPO = Path(__file__).resolve().parent.parent
 HEADER = "cupy_amp_common.cuh"
 _REPORTED = re.compile(r"^\s*(?P<path>\S+?):(?P<line>\d+): (?P<kind>error|warning): (?P<text>.*)$", re.MULTILINE)
-
-
-@pytest.fixture(autouse=True)
-def fresh_source_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.delenv("CUPY_AMP_KERNEL_DIR", raising=False)
-    kernel_sources._read_inlined.cache_clear()
-    yield
-    kernel_sources._read_inlined.cache_clear()
-
-
-@pytest.fixture
-def kernel_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of kernels/ that CUPY_AMP_KERNEL_DIR points at, to plant problems in."""
-    copy = tmp_path / "kernels"
-    shutil.copytree(REPO / "kernels", copy)
-    monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(copy))
-    return copy
 
 
 def insert_line(path: Path, after: str, text: str) -> int:

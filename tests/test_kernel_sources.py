@@ -7,7 +7,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,27 +16,11 @@ from cupy_amp import CupyAmpError, KernelSourceNotFoundError
 from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, kernel_search_path, read_kernel_source
 
 REPO = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.usefixtures("fresh_kernel_sources")
+
 SOURCE_KERNELS = REPO / "kernels"
 HEADER = "cupy_amp_common.cuh"
 _LINE_DIRECTIVE = re.compile(r'^#line (\d+) "([^"]+)"$')
-
-
-@pytest.fixture(autouse=True)
-def fresh_source_cache(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Start every test without CUPY_AMP_KERNEL_DIR and with nothing cached; leave nothing cached."""
-    monkeypatch.delenv("CUPY_AMP_KERNEL_DIR", raising=False)
-    kernel_sources._read_inlined.cache_clear()
-    yield
-    kernel_sources._read_inlined.cache_clear()
-
-
-@pytest.fixture
-def kernel_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of kernels/ that CUPY_AMP_KERNEL_DIR points at."""
-    copy = tmp_path / "my_kernels"
-    shutil.copytree(SOURCE_KERNELS, copy)
-    monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(copy))
-    return copy
 
 
 def original_lines(folder: Path, name: str) -> list[str]:
