@@ -17,6 +17,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from cupy_amp.kernel_launch import KernelLaunch
 from cupy_amp.kernel_sources import NVRTC_OPTIONS, read_kernel_source
 
 __all__ = [
@@ -49,6 +50,11 @@ _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32"
 _lock = threading.Lock()
 _modules: dict[tuple[int, str], Any] = {}
 _functions: dict[tuple[int, str], Any] = {}
+_scale_launches: dict[tuple[int, str], KernelLaunch] = {}
+
+# Parameter types of the entry points (pointers as uint64), as declared in kernels/*.cu.
+_UNSCALE_PARAMETERS = (np.uint64, np.uint64, np.uint64, np.int64, np.float32, np.int32, np.uint64, np.uint64)
+_SCALE_PARAMETERS = (np.uint64, np.int64, np.int32, np.uint64, np.int64, np.float32)
 
 
 def kernel_dtype_name(dtype: np.dtype[Any]) -> str | None:
@@ -128,6 +134,7 @@ class DeviceTable:
     layout_offsets: Any
     layout: Any
     tensor_found: Any
+    launch: KernelLaunch | None = None  # the table's own parameter block; None when it has no chunks
 
 
 def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> DeviceTable:
@@ -167,7 +174,7 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
     device = cupy.empty(host.size, dtype=np.int64)
     device.set(host, stream=cupy.cuda.get_current_stream())
     n_records = records.size
-    return DeviceTable(
+    table = DeviceTable(
         dtype_name=dtype_name,
         chunk_count=chunk_count,
         grid=_grid(chunk_count),
@@ -176,6 +183,20 @@ def build_device_table(arrays: Sequence[cupy.ndarray], dtype_name: str) -> Devic
         layout=device[n_records + count :],
         tensor_found=cupy.zeros(count, dtype=np.int32),
     )
+    if chunk_count:
+        # Everything but the factor, the epoch and the flag's address is fixed for the table's life.
+        table.launch = KernelLaunch(
+            _function("unscale_check.cu", f"cupy_amp_unscale_check_{dtype_name}"),
+            _UNSCALE_PARAMETERS,
+            fixed={
+                0: table.chunks.data.ptr,
+                1: table.layout_offsets.data.ptr,
+                2: table.layout.data.ptr,
+                3: chunk_count,
+                7: table.tensor_found.data.ptr,
+            },
+        )
+    return table
 
 
 @functools.cache
@@ -189,28 +210,16 @@ def _grid(chunks: int) -> int:
     return min(chunks, _MAX_GRID)
 
 
-def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: cupy.ndarray) -> None:
+def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, found: Any) -> None:
     """Launch the fused unscale-and-check over ``table`` on the current stream.
 
-    Sets ``found[0]`` and ``table.tensor_found[i]`` to ``epoch`` where inf/nan was seen.
+    Sets ``found[0]`` and ``table.tensor_found[i]`` to ``epoch`` where inf/nan
+    was seen. ``found`` is a CuPy int32 array or the device address of an int32.
     """
-    if table.chunk_count == 0:
+    if table.launch is None:
         return
-    kernel = _function("unscale_check.cu", f"cupy_amp_unscale_check_{table.dtype_name}")
-    kernel(
-        (table.grid,),
-        (THREADS_PER_BLOCK,),
-        (
-            table.chunks,
-            table.layout_offsets,
-            table.layout,
-            np.int64(table.chunk_count),
-            np.float32(inv_scale),
-            np.int32(epoch),
-            found,
-            table.tensor_found,
-        ),
-    )
+    address = found if isinstance(found, (int, np.integer)) else found.data.ptr
+    table.launch(table.grid, THREADS_PER_BLOCK, inv_scale, epoch, address)
 
 
 def launch_scale_loss(loss: cupy.ndarray, dtype_name: str, scale: np.float32) -> None:
@@ -225,17 +234,23 @@ def launch_scale_loss(loss: cupy.ndarray, dtype_name: str, scale: np.float32) ->
         host_layout = np.array(list(loss.shape) + [s // loss.itemsize for s in loss.strides], dtype=np.int64)
         layout = cupy.empty(host_layout.size, dtype=np.int64)
         layout.set(host_layout, stream=cupy.cuda.get_current_stream())
-    kernel = _function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}")
     per_chunk = chunk_elements(loss.itemsize)
-    kernel(
-        (min(-(-loss.size // per_chunk), _MAX_GRID),),
-        (THREADS_PER_BLOCK,),
-        (
-            np.uint64(base),
-            np.int64(loss.size),
-            np.int32(ndim),
-            layout if layout is not None else np.uint64(0),
-            np.int64(per_chunk),
-            np.float32(scale),
-        ),
+    _scale_launch(dtype_name)(
+        min(-(-loss.size // per_chunk), _MAX_GRID),
+        THREADS_PER_BLOCK,
+        base,
+        loss.size,
+        ndim,
+        layout.data.ptr if layout is not None else 0,
+        per_chunk,
+        scale,
     )
+
+
+def _scale_launch(dtype_name: str) -> KernelLaunch:
+    key = (cupy.cuda.runtime.getDevice(), dtype_name)
+    launch = _scale_launches.get(key)
+    if launch is None:
+        function = _function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}")
+        launch = _scale_launches.setdefault(key, KernelLaunch(function, _SCALE_PARAMETERS))
+    return launch

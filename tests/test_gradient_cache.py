@@ -323,6 +323,28 @@ def test_dead_gradient_then_none_at_its_position_is_not_mistaken_for_the_cached_
     np.testing.assert_array_equal(survivor, new_array(4.0))
 
 
+def test_new_array_reusing_a_dead_entrys_id_is_validated_afresh() -> None:
+    # Lists are recognised by the id() of their entries: an id freed by a dead entry and
+    # reused by a new object must not pass for the cached entry. The newcomer here is a
+    # view of the other entry, which only a fresh validation can catch.
+    scaler = make_scaler(init_scale=4.0, growth_interval=1000)
+    survivor = new_array(8.0)
+    gradients = [new_array(8.0), survivor]
+    scaler.unscale_and_check(gradients)
+    scaler.update()
+    dead_id = id(gradients[0])
+    gradients[0] = None
+    keep = []
+    newcomer = survivor.view()
+    while id(newcomer) != dead_id and len(keep) < 1000:
+        keep.append(newcomer)
+        newcomer = survivor.view()
+    assert id(newcomer) == dead_id, "the allocator never reused the id; this test needs it"
+    with pytest.raises(DuplicateGradientError):
+        scaler.unscale_and_check([newcomer, survivor])
+    np.testing.assert_array_equal(survivor, new_array(2.0))  # unscaled by the first call only
+
+
 def test_dead_gradient_in_a_list_with_none_entries_is_not_mistaken() -> None:
     scaler = make_scaler(init_scale=4.0, growth_interval=1000)
     survivor = new_array(8.0)
