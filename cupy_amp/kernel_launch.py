@@ -28,7 +28,8 @@ class KernelLaunch:
     """One kernel's parameter block, some of it filled once, the rest per launch.
 
     Args:
-        function: A ``cupy.RawModule`` function, on the device it will run on.
+        function: A function of a ``cupy.RawModule`` (or its compiled
+            ``cupy.cuda.Function``), taken while its device is current.
         argument_types: The numpy type of each kernel parameter, in order
             (pointers as ``np.uint64``); every one must fit in 8 bytes.
         fixed: Values of the parameters that never change, by position.
@@ -36,7 +37,9 @@ class KernelLaunch:
 
     def __init__(self, function: Any, argument_types: Sequence[Any], fixed: Mapping[int, Any] | None = None) -> None:
         fixed = fixed or {}
-        self._function = int(function.ptr)
+        # A RawKernel's compiled function for the current device; held so its module stays loaded.
+        self._handle = getattr(function, "kernel", function)
+        self._function = int(self._handle.ptr)
         self._block = np.zeros(len(argument_types), dtype=np.uint64)
         self._pointers = np.array(
             [self._block.ctypes.data + _SLOT_BYTES * i for i in range(len(argument_types))], dtype=np.uint64
