@@ -82,6 +82,8 @@ class CupyUnscalePlan:
         self._strided = strided
 
     def still_valid(self, arrays: Sequence[Any]) -> bool:
+        if not self._strided:  # the usual case: dense arrays cannot change layout in place
+            return True
         return all(
             arrays[position].shape == shape and arrays[position].strides == strides
             for position, shape, strides in self._strided

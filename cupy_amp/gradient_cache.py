@@ -5,16 +5,11 @@ a list, tuple or dict is identical (the same objects, in the same order,
 under the same keys) to a call seen before, the earlier validation and the
 backend's prepared launch plan (for CuPy: device tables) are reused. Entries
 are held through weak references, so the cache never keeps a gradient alive.
-
-Recognising a list compares the ``id()`` of each entry with the recorded
-ones: ids are unique among live objects, and a weak-reference callback marks
-the record dead as soon as any recorded entry is freed (before its id can be
-reused), so equal ids on a live record mean the very same objects. This is
-about twice as fast as dereferencing every weak reference.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -30,6 +25,10 @@ __all__ = ["PreparedCall", "PreparedCallCache"]
 _SET_KEY = ("<GradientSet>",)
 
 
+def _none_ref() -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class PreparedCall:
     """A validated gradient argument and the backend's plan for it."""
@@ -38,16 +37,16 @@ class PreparedCall:
     backend: ArrayBackend
     plan: UnscalePlan
     keys: tuple[Hashable, ...] | None
-    refs: tuple[Any, ...]  # weak references to the entries; kept for their callbacks
-    ids: list[int]  # id() of every entry, None entries included
+    refs: tuple[Any, ...]
     none_count: int
     alive: list[bool]  # set to [False] by a weak-reference callback when any entry dies
 
     def matches(self, keys: tuple[Hashable, ...] | None, values: Any) -> bool:
         """Return True if ``values`` (and ``keys``) are exactly the entries this call was prepared for."""
-        if not self.alive[0] or keys != self.keys:
+        # A dead weak reference gives None, which must not pass for a None entry: hence `alive`.
+        if not self.alive[0] or len(values) != len(self.refs) or keys != self.keys:
             return False
-        return list(map(id, values)) == self.ids
+        return all(map(operator.is_, values, [ref() for ref in self.refs]))
 
 
 class PreparedCallCache:
@@ -89,9 +88,7 @@ class PreparedCallCache:
     def store(self, gradients: Any, batch: GradientBatch, plan: UnscalePlan) -> PreparedCall | None:
         """Remember a freshly validated call, when its argument can be recognised later."""
         if type(gradients) is GradientSet and batch.native and batch.backend is not None:
-            prepared = PreparedCall(
-                batch.labels, batch.backend, plan, _SET_KEY, (weakref.ref(gradients),), [id(gradients)], 0, [True]
-            )
+            prepared = PreparedCall(batch.labels, batch.backend, plan, _SET_KEY, (weakref.ref(gradients),), 0, [True])
             self._remember(prepared)
             return prepared
         split = _split(gradients)
@@ -108,8 +105,7 @@ class PreparedCallCache:
             backend=batch.backend,
             plan=plan,
             keys=keys,
-            refs=tuple(weakref.ref(v, entry_died) for v in values if v is not None),
-            ids=list(map(id, values)),
+            refs=tuple(_none_ref if v is None else weakref.ref(v, entry_died) for v in values),
             none_count=sum(v is None for v in values),
             alive=alive,
         )
