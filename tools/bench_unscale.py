@@ -122,14 +122,35 @@ def wall_timer(run: Callable[[int], object]) -> Callable[[int], float]:
     return timed
 
 
+_scrub_buffer: list[cupy.ndarray] = []
+
+
+def scrub_l2() -> None:
+    """Read 256 MiB (several times any L2) untimed, so the next timer starts from an L2 of clean lines.
+
+    Otherwise a timer may pay for writing back the dirty lines the previous timer
+    left, which its own untimed run does not always flush: lines loaded with
+    evict-first hints go before the previous timer's ordinary ones.
+    """
+    if not _scrub_buffer:
+        _scrub_buffer.append(cupy.ones(2**26, dtype=cupy.float32))
+    _scrub_buffer[0].sum()
+    cupy.cuda.Device().synchronize()
+
+
 def interleaved_medians(timers: dict[str, Callable[[int], float]], repeats: int, warmup: int = 3) -> dict[str, float]:
-    """Run every timer once per round, ``repeats`` rounds, and return each one's median."""
+    """Run every timer once per round, ``repeats`` rounds, and return each one's median.
+
+    Each timer call starts after an L2 scrub (see :func:`scrub_l2`).
+    """
     for i in range(warmup):
         for timer in timers.values():
+            scrub_l2()
             timer(i)
     samples: dict[str, list[float]] = {name: [] for name in timers}
     for i in range(repeats):
         for name, timer in timers.items():
+            scrub_l2()
             samples[name].append(timer(i))
     return {name: statistics.median(values) for name, values in samples.items()}
 
