@@ -3,7 +3,9 @@
 Every test drives ``GradScaler`` with NumPy arrays. A "cached" scaler sees the
 same argument objects step after step (mutated in place where a test says so);
 a reference scaler sees fresh lists of fresh copies, which the cache can never
-recognise, so whatever the two disagree on is a cache bug.
+recognise, so whatever the two disagree on is a cache bug. Every test runs
+twice: with lists compared entry by entry, and as address vectors (the path
+long lists take).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import cupy_amp.gradient_cache
 import cupy_amp.scaler
 from cupy_amp import (
     DuplicateGradientError,
@@ -30,6 +33,13 @@ from cupy_amp.gradients import collect_gradients
 
 INF = float("inf")
 NAN = float("nan")
+
+
+@pytest.fixture(autouse=True, params=["entry-scan", "address-vector"])
+def list_comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    long_list = {"entry-scan": 10**9, "address-vector": 0}[request.param]
+    monkeypatch.setattr(cupy_amp.gradient_cache, "LONG_LIST", long_list)
+    return str(request.param)
 
 
 def make_scaler(init_scale: float = 4.0, growth_interval: int = 1) -> GradScaler:
