@@ -10,6 +10,7 @@ Usage: PYTHONPATH=. python tools/probe_host.py
 from __future__ import annotations
 
 import cProfile
+import functools
 import io
 import pstats
 import sys
@@ -26,7 +27,7 @@ if str(ROOT) not in sys.path:
 
 import cupy  # noqa: E402
 
-from cupy_amp import GradientSet, GradScaler, cuda_kernels  # noqa: E402
+from cupy_amp import GradientSet, GradScaler, cuda_kernels, gradient_cache  # noqa: E402
 from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
 from cupy_amp.update_rule import next_state  # noqa: E402
 
@@ -45,6 +46,7 @@ def per_call_us(run: Callable[[], object], calls: int = 3000, sync: bool = True)
 
 
 def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
+    default_threshold = gradient_cache.LONG_LIST
     results: dict[int, dict[str, float]] = {}
     grads = [cupy.ones(256, dtype=cupy.float32) for _ in range(count)]
     grad_set = GradientSet(grads)
@@ -72,7 +74,19 @@ def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
 
         return run
 
+    # The same lookup forced onto each list-comparison path.
+    forced = {}
+    for label, threshold in (("entry scan", 10**9), ("address vector", 0)):
+        gradient_cache.LONG_LIST = threshold
+        probe_scaler = GradScaler(init_scale=1.0, growth_interval=10**9)
+        probe_scaler.unscale_and_check(grads)
+        probe_scaler.update()
+        forced[f"lookup list, {label}"] = per_call_us(
+            functools.partial(probe_scaler._prepared.lookup, grads), sync=False
+        )
+    gradient_cache.LONG_LIST = default_threshold
     results[count] = {
+        **forced,
         "bare launch+read": per_call_us(bare),
         "launch only (no sync)": per_call_us(lambda: cuda_kernels.launch_unscale_check(table, inv, 7, slot.device)),
         "lookup list": per_call_us(lambda: scaler._prepared.lookup(grads), sync=False),
