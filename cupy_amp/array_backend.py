@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
 
-__all__ = ["ArrayBackend", "OverflowCheck", "UnscalePlan", "backend_for", "byte_extent"]
+__all__ = ["ArrayBackend", "OverflowCheck", "UnscalePlan", "backend_for", "byte_extent", "register_array_type"]
 
 
 class OverflowCheck(Protocol):
@@ -79,8 +79,21 @@ class ArrayBackend(Protocol):
         ...
 
 
+# Backends by the exact type of their own array class, registered by each backend
+# module when it is imported: the per-step fast path of backend_for.
+_BACKEND_OF_TYPE: dict[type, ArrayBackend] = {}
+
+
+def register_array_type(kind: type, backend: ArrayBackend) -> None:
+    """Let ``backend_for`` hand objects of exactly ``kind`` to ``backend`` unchanged."""
+    _BACKEND_OF_TYPE[kind] = backend
+
+
 def backend_for(obj: Any) -> tuple[ArrayBackend, Any] | None:
     """Return the backend for ``obj`` and ``obj`` as that backend's array, or None."""
+    known = _BACKEND_OF_TYPE.get(type(obj))
+    if known is not None:
+        return known, obj
     from cupy_amp.numpy_backend import NUMPY_BACKEND
 
     array = NUMPY_BACKEND.coerce(obj)

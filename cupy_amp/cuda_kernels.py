@@ -59,7 +59,9 @@ _SCALE_PARAMETERS = (np.uint64, np.int64, np.int32, np.uint64, np.int64, np.floa
 
 def kernel_dtype_name(dtype: np.dtype[Any]) -> str | None:
     """Return the suffix of the entry points for ``dtype``, or None if no kernel handles it."""
-    return _DTYPE_NAMES.get(np.dtype(dtype))
+    # Arrays carry np.dtype objects, found directly; anything else (a type, a string) is converted.
+    name = _DTYPE_NAMES.get(dtype)
+    return name if name is not None else _DTYPE_NAMES.get(np.dtype(dtype))
 
 
 def compile_options() -> tuple[str, ...]:

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.array_backend import byte_extent
+from cupy_amp.array_backend import byte_extent, register_array_type
 from cupy_amp.errors import GradientTypeError, GradientValueError
 
 try:
@@ -301,4 +301,6 @@ def cupy_backend() -> CupyBackend | None:
     """Return the shared CuPy backend, or None when CuPy is not installed."""
     if cupy is None:
         return None
-    return CupyBackend()
+    backend = CupyBackend()
+    register_array_type(cupy.ndarray, backend)
+    return backend

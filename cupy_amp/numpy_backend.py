@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.array_backend import byte_extent
+from cupy_amp.array_backend import byte_extent, register_array_type
 
 __all__ = ["NUMPY_BACKEND", "SUPPORTED_NUMPY_DTYPES", "NumpyBackend", "NumpyOverflowCheck", "NumpyUnscalePlan"]
 
@@ -101,3 +101,4 @@ def _multiply_in_place(array: np.ndarray, factor: np.float32) -> None:
 
 
 NUMPY_BACKEND = NumpyBackend()
+register_array_type(np.ndarray, NUMPY_BACKEND)
