@@ -106,7 +106,9 @@ class GradScaler:
         self._step_batches: list[GradientBatch] = []
         # Gradient arguments seen before, so a repeated list skips validation and setup.
         self._prepared = PreparedCallCache()
-        self._inverse_of: float | None = None
+        # Both factors are needed on every step: cached with the scale they were made from.
+        self._factors_of: float | None = None
+        self._scale32: np.float32 = np.float32(1.0)
         self._inverse: np.float32 = inverse_scale(1.0)
 
     @classmethod
@@ -147,7 +149,7 @@ class GradScaler:
         """
         backend, array = collect_loss(loss)
         if self._enabled:
-            backend.scale_in_place(array, np.float32(self._state.scale))
+            backend.scale_in_place(array, self._factors()[0])
 
     def unscale_and_check(self, gradients: Any) -> bool:
         """Unscale every gradient in place and return True if all were finite.
@@ -182,7 +184,7 @@ class GradScaler:
                 self._vote.host_vote(True)
             raise
 
-        check = plan.run(batch.arrays, self._inverse_scale(), self._vote) if plan is not None else None
+        check = plan.run(batch.arrays, self._factors()[1], self._vote) if plan is not None else None
         if check is not None:
             overflowed, local = check.found_overflow(), check.local_overflow()
         else:  # nothing to check here; with a communicator this rank still votes
@@ -200,12 +202,12 @@ class GradScaler:
         self._found_overflow_local = self._found_overflow_local or local
         return not overflowed
 
-    def _inverse_scale(self) -> np.float32:
-        # Recomputed only when the scale changed: it is needed on every call.
+    def _factors(self) -> tuple[np.float32, np.float32]:
+        """Return (scale, inverse scale) as float32, recomputed only when the scale changed."""
         scale = self._state.scale
-        if self._inverse_of != scale:
-            self._inverse_of, self._inverse = scale, inverse_scale(scale)
-        return self._inverse
+        if self._factors_of != scale:
+            self._factors_of, self._scale32, self._inverse = scale, np.float32(scale), inverse_scale(scale)
+        return self._scale32, self._inverse
 
     def _validated(self, gradients: Any) -> tuple[GradientBatch, UnscalePlan | None]:
         """Return the validated batch and the backend's plan for it (reused when seen before)."""
