@@ -6,25 +6,22 @@ under the same keys) to a call seen before, the earlier validation and the
 backend's prepared launch plan (for CuPy: device tables) are reused. Entries
 are held through weak references, so the cache never keeps a gradient alive.
 
-Long lists are compared in C rather than entry by entry in Python: the
-entries are put in a NumPy object array, whose buffer is a vector of object
-addresses, and that vector is compared with the one recorded. A weak-reference
-callback marks the record dead as soon as any recorded entry is freed (before
-its address can be reused), so equal addresses on a live record mean the very
-same objects.
+Lists are compared as vectors of entry addresses (see
+:mod:`cupy_amp.entry_addresses`) rather than entry by entry in Python. A
+weak-reference callback marks a record dead as soon as any recorded entry is
+freed (before its address can be reused), so equal addresses on a live record
+mean the very same objects.
 """
 
 from __future__ import annotations
 
-import ctypes
 import operator
 import weakref
 from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
+from cupy_amp import entry_addresses
 from cupy_amp.array_backend import ArrayBackend, UnscalePlan
 from cupy_amp.gradients import GradientBatch, GradientSet
 
@@ -34,9 +31,9 @@ __all__ = ["PreparedCall", "PreparedCallCache"]
 # Marks a prepared call made for a GradientSet (its one reference is to the set itself).
 _SET_KEY = ("<GradientSet>",)
 
-# From this many entries on, lists are compared as address vectors (a few microseconds of
-# fixed cost, then about 10 ns per entry instead of about 40).
-LONG_LIST = 256
+# Compare lists as address vectors (one memcmp) where the interpreter allows it, else entry
+# by entry (about 40 ns per entry in Python).
+COMPARE_ADDRESSES = entry_addresses.AVAILABLE
 
 
 def _none_ref() -> None:
@@ -54,17 +51,17 @@ class PreparedCall:
     refs: tuple[Any, ...]
     none_count: int
     alive: list[bool]  # set to [False] by a weak-reference callback when any entry dies
-    addresses: np.ndarray | None = None  # of every entry, for long lists
+    addresses: bytes | None = None  # every entry's address, when compared that way
 
-    def matches(self, keys: tuple[Hashable, ...] | None, values: Any) -> bool:
-        """Return True if ``values`` (and ``keys``) are exactly the entries this call was prepared for."""
+    def matches(self, keys: tuple[Hashable, ...] | None, entries: tuple[Any, ...]) -> bool:
+        """Return True if ``entries`` (and ``keys``) are exactly the ones this call was prepared for."""
         # A dead weak reference gives None, which must not pass for a None entry, and a dead
         # entry's address may be reused: hence `alive`.
-        if not self.alive[0] or len(values) != len(self.refs) or keys != self.keys:
+        if not self.alive[0] or len(entries) != len(self.refs) or keys != self.keys:
             return False
         if self.addresses is not None:
-            return _has_addresses(values, self.addresses)
-        return all(map(operator.is_, values, [ref() for ref in self.refs]))
+            return entry_addresses.entry_addresses(entries) == self.addresses
+        return all(map(operator.is_, entries, [ref() for ref in self.refs]))
 
 
 class PreparedCallCache:
@@ -82,9 +79,10 @@ class PreparedCallCache:
         if split is None:
             return None
         keys, values = split
+        entries = tuple(values)  # no copy when already a tuple
         for index, prepared in enumerate(self._calls):
-            if prepared.matches(keys, values):
-                arrays = tuple(v for v in values if v is not None) if prepared.none_count else tuple(values)
+            if prepared.matches(keys, entries):
+                arrays = tuple(v for v in entries if v is not None) if prepared.none_count else entries
                 return self._hit(index, arrays)
         return None
 
@@ -126,7 +124,7 @@ class PreparedCallCache:
             refs=tuple(_none_ref if v is None else weakref.ref(v, entry_died) for v in values),
             none_count=sum(v is None for v in values),
             alive=alive,
-            addresses=_entry_addresses(values) if len(values) >= LONG_LIST else None,
+            addresses=entry_addresses.entry_addresses(tuple(values)) if COMPARE_ADDRESSES else None,
         )
         self._remember(prepared)
         return prepared
@@ -147,23 +145,3 @@ def _split(gradients: Any) -> tuple[tuple[Hashable, ...] | None, Any] | None:
     if kind is dict:
         return tuple(gradients), tuple(gradients.values())
     return None
-
-
-def _address_view(objects: np.ndarray) -> np.ndarray:
-    """Return the buffer of an object array as unsigned integers: the addresses of its entries.
-
-    The view does not keep ``objects`` alive; use it only while ``objects`` is.
-    """
-    raw = (ctypes.c_char * objects.nbytes).from_address(objects.ctypes.data)
-    return np.frombuffer(memoryview(raw), dtype=np.uintp)
-
-
-def _entry_addresses(values: Any) -> np.ndarray:
-    objects: np.ndarray = np.fromiter(values, dtype=object, count=len(values))
-    addresses: np.ndarray = _address_view(objects).copy()  # a copy: the view dies with `objects`
-    return addresses
-
-
-def _has_addresses(values: Any, addresses: np.ndarray) -> bool:
-    objects = np.fromiter(values, dtype=object, count=len(values))
-    return bool(np.array_equal(_address_view(objects), addresses))

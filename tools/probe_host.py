@@ -46,7 +46,7 @@ def per_call_us(run: Callable[[], object], calls: int = 3000, sync: bool = True)
 
 
 def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
-    default_threshold = gradient_cache.LONG_LIST
+    default_comparison = gradient_cache.COMPARE_ADDRESSES
     results: dict[int, dict[str, float]] = {}
     grads = [cupy.ones(256, dtype=cupy.float32) for _ in range(count)]
     grad_set = GradientSet(grads)
@@ -76,15 +76,15 @@ def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
 
     # The same lookup forced onto each list-comparison path.
     forced = {}
-    for label, threshold in (("entry scan", 10**9), ("address vector", 0)):
-        gradient_cache.LONG_LIST = threshold
+    for label, by_address in (("entry scan", False), ("address vector", True)):
+        gradient_cache.COMPARE_ADDRESSES = by_address
         probe_scaler = GradScaler(init_scale=1.0, growth_interval=10**9)
         probe_scaler.unscale_and_check(grads)
         probe_scaler.update()
         forced[f"lookup list, {label}"] = per_call_us(
             functools.partial(probe_scaler._prepared.lookup, grads), sync=False
         )
-    gradient_cache.LONG_LIST = default_threshold
+    gradient_cache.COMPARE_ADDRESSES = default_comparison
     results[count] = {
         **forced,
         "bare launch+read": per_call_us(bare),
