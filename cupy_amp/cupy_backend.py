@@ -289,10 +289,13 @@ class CupyBackend:
         return table
 
 
+_ALREADY_CURRENT = contextlib.nullcontext()  # stateless, so one instance serves every block
+
+
 def _on_device(device_id: int) -> Any:
     """Make ``device_id`` current for a block; free when it already is (the usual case)."""
     if cupy.cuda.runtime.getDevice() == device_id:
-        return contextlib.nullcontext()
+        return _ALREADY_CURRENT
     return cupy.cuda.Device(device_id)
 
 

@@ -17,7 +17,7 @@ from cupy_amp.config import ScalerConfig
 __all__ = ["ScalerState", "inverse_scale", "next_state", "to_float32"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ScalerState:
     """Everything that changes from step to step.
 
