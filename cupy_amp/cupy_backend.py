@@ -57,6 +57,38 @@ class CupyOverflowCheck:
 _CLEAN = CupyOverflowCheck(False, False, ())
 
 
+class _LaunchedCheck:
+    """The result of launched kernels, read back from the device on the first question.
+
+    The caller can do work that does not depend on the verdict while the
+    kernels run, and only then wait for them.
+    """
+
+    __slots__ = ("_read", "_result")
+
+    def __init__(self, read: Any) -> None:
+        self._read = read
+        self._result: CupyOverflowCheck | None = None
+
+    def _resolved(self) -> CupyOverflowCheck:
+        if self._result is None:
+            self._result = self._read()
+            self._read = None  # the closure holds the plan's tables: drop it once read
+        return self._result
+
+    def found_overflow(self) -> bool:
+        """Return the verdict (waits for the kernels the first time)."""
+        return self._resolved().overflow
+
+    def local_overflow(self) -> bool:
+        """Return True if this process's gradients held inf/nan."""
+        return self._resolved().local
+
+    def nonfinite_positions(self) -> list[int]:
+        """Return the positions of the gradients that held inf/nan."""
+        return list(self._resolved().positions)
+
+
 @dataclass(frozen=True)
 class _Group:
     """The gradients of one (device, dtype): one kernel launch."""
@@ -89,7 +121,7 @@ class CupyUnscalePlan:
             for position, shape, strides in self._strided
         )
 
-    def run(self, arrays: Sequence[Any], inv_scale: np.float32, vote: Any = None) -> CupyOverflowCheck:
+    def run(self, arrays: Sequence[Any], inv_scale: np.float32, vote: Any = None) -> CupyOverflowCheck | _LaunchedCheck:
         if vote is not None:
             return self._backend.run_plan_voting(self, inv_scale, vote)
         return self._backend.run_plan(self, inv_scale)
@@ -144,8 +176,8 @@ class CupyBackend:
         self._kernels = cuda_kernels
         self._lock = threading.Lock()
         self._tables: OrderedDict[Hashable, Any] = OrderedDict()
-        self._flags: dict[tuple[int, int], _FlagSlot] = {}
-        self._vote_slots: dict[tuple[int, int], _VoteSlot] = {}
+        self._flags: dict[tuple[int, int, int], _FlagSlot] = {}
+        self._vote_slots: dict[tuple[int, int, int], _VoteSlot] = {}
         self._epochs = itertools.count(1)
 
     def coerce(self, obj: Any) -> Any | None:
@@ -210,8 +242,8 @@ class CupyBackend:
         )
         return CupyUnscalePlan(self, tuple(groups), strided)
 
-    def run_plan(self, plan: CupyUnscalePlan, inv_scale: np.float32) -> CupyOverflowCheck:
-        """Launch every group of ``plan``, then read each device's flag once."""
+    def run_plan(self, plan: CupyUnscalePlan, inv_scale: np.float32) -> _LaunchedCheck:
+        """Launch every group of ``plan``; each device's flag is read once, when the result is first asked."""
         epoch = next(self._epochs) % (2**31 - 1) + 1
         factor = inv_scale
         streams: dict[int, tuple[Any, _FlagSlot]] = {}
@@ -221,7 +253,12 @@ class CupyBackend:
                     stream = cupy.cuda.get_current_stream()
                     streams[group.device_id] = (stream, self._flag_slot(group.device_id, stream))
                 self._kernels.launch_unscale_check(group.table, factor, epoch, streams[group.device_id][1].device)
+        return _LaunchedCheck(functools.partial(self._read_flags, plan, streams, epoch))
 
+    def _read_flags(
+        self, plan: CupyUnscalePlan, streams: dict[int, tuple[Any, _FlagSlot]], epoch: int
+    ) -> CupyOverflowCheck:
+        """Wait for the launches of one call and collect its verdict (per-gradient flags only after an overflow)."""
         overflow = False
         culprits: list[int] = []
         for device_id, (stream, slot) in streams.items():
@@ -260,15 +297,17 @@ class CupyBackend:
                     culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
         return CupyOverflowCheck(bool(agreed_flag), bool(local_flag), tuple(sorted(culprits)))
 
+    # Slots are per thread as well as per (device, stream): two threads launching on one stream
+    # must not write (and read) each other's flag between a launch and its read-back.
     def _vote_slot(self, device_id: int, stream: Any) -> _VoteSlot:
-        key = (device_id, stream.ptr)
+        key = (device_id, stream.ptr, threading.get_ident())
         slot = self._vote_slots.get(key)
         if slot is None:
             slot = self._vote_slots[key] = _VoteSlot()
         return slot
 
     def _flag_slot(self, device_id: int, stream: Any) -> _FlagSlot:
-        key = (device_id, stream.ptr)
+        key = (device_id, stream.ptr, threading.get_ident())
         slot = self._flags.get(key)
         if slot is None:
             slot = self._flags[key] = _FlagSlot()

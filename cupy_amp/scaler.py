@@ -106,6 +106,8 @@ class GradScaler:
         self._step_batches: list[GradientBatch] = []
         # Gradient arguments seen before, so a repeated list skips validation and setup.
         self._prepared = PreparedCallCache()
+        # The successor of a clean step, computed while the kernels run: (state, config, successor).
+        self._clean_update: tuple[ScalerState, ScalerConfig, ScalerState] | None = None
         # Both factors are needed on every step: cached with the scale they were made from.
         self._factors_of: float | None = None
         self._scale32: np.float32 = np.float32(1.0)
@@ -185,22 +187,40 @@ class GradScaler:
             raise
 
         check = plan.run(batch.arrays, self._factors()[1], self._vote) if plan is not None else None
-        if check is not None:
-            overflowed, local = check.found_overflow(), check.local_overflow()
-        else:  # nothing to check here; with a communicator this rank still votes
-            overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
 
-        if not self._step_open:
+        # With CuPy the kernels are running now: do what does not depend on their verdict before waiting.
+        opened = not self._step_open
+        if opened:
             self._step_open = True
             self._found_overflow = False
             self._found_overflow_local = False
             self._calls = []
             self._step_batches = []
         self._step_batches.append(batch)
+        self._prepare_clean_update()
+        try:
+            if check is not None:
+                overflowed, local = check.found_overflow(), check.local_overflow()
+            else:  # nothing to check here; with a communicator this rank still votes
+                overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
+        except BaseException:
+            # No verdict (a device error): leave the step as it was before this call.
+            self._step_batches.pop()
+            self._step_open = not opened
+            raise
         self._calls.append(_CheckedCall(batch.labels, check, local))
         self._found_overflow = self._found_overflow or overflowed
         self._found_overflow_local = self._found_overflow_local or local
         return not overflowed
+
+    def _prepare_clean_update(self) -> None:
+        """Compute the state ``update()`` will move to if the step stays clean (the usual outcome).
+
+        Called while the kernels run, so a clean ``update()`` costs no computation after them.
+        """
+        state, config, clean = self._state, self._config, self._clean_update
+        if clean is None or clean[0] is not state or clean[1] is not config:
+            self._clean_update = (state, config, next_state(config, state, False, False))
 
     def _factors(self) -> tuple[np.float32, np.float32]:
         """Return (scale, inverse scale) as float32, recomputed only when the scale changed."""
@@ -246,7 +266,11 @@ class GradScaler:
                 "True, update(). With gradient accumulation, call unscale_and_check() and update() once per "
                 "optimizer step, after the last micro-batch, not once per micro-batch."
             )
-        self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
+        clean = self._clean_update
+        if not self._found_overflow and clean is not None and clean[0] is self._state and clean[1] is self._config:
+            self._state = clean[2]
+        else:
+            self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
         self._step_open = False
         self._step_batches = []
 

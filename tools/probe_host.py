@@ -91,7 +91,7 @@ def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
         "launch only (no sync)": per_call_us(lambda: cuda_kernels.launch_unscale_check(table, inv, 7, slot.device)),
         "lookup list": per_call_us(lambda: scaler._prepared.lookup(grads), sync=False),
         "lookup set": per_call_us(lambda: scaler._prepared.lookup(grad_set), sync=False),
-        "run_plan": per_call_us(lambda: backend.run_plan(plan, inv)),
+        "run_plan": per_call_us(lambda: backend.run_plan(plan, inv).found_overflow()),
         "unscale+update list": per_call_us(step(grads, False)),
         "unscale+update set": per_call_us(step(grad_set, False)),
         "step list": per_call_us(step(grads, True)),
