@@ -217,6 +217,7 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
 
     Sets ``found[0]`` and ``table.tensor_found[i]`` to ``epoch`` where inf/nan
     was seen. ``found`` is a CuPy int32 array or the device address of an int32.
+    Asynchronous: never synchronizes the device.
     """
     if table.launch is None:
         return
@@ -225,7 +226,7 @@ def launch_unscale_check(table: DeviceTable, inv_scale: np.float32, epoch: int, 
 
 
 def launch_scale_loss(loss: cupy.ndarray, dtype_name: str, scale: np.float32) -> None:
-    """Multiply ``loss`` in place by ``scale`` on the current stream."""
+    """Multiply ``loss`` in place by ``scale`` on the current stream (never synchronizes the device)."""
     if loss.size == 0:
         return
     base = dense_base(loss)

@@ -176,8 +176,10 @@ class CupyBackend:
         self._kernels = cuda_kernels
         self._lock = threading.Lock()
         self._tables: OrderedDict[Hashable, Any] = OrderedDict()
-        self._flags: dict[tuple[int, int, int], _FlagSlot] = {}
-        self._vote_slots: dict[tuple[int, int, int], _VoteSlot] = {}
+        # Flag slots per thread as well as per (device, stream): two threads launching on one stream
+        # must not write (and read) each other's flag between a launch and its read-back. Held in
+        # thread-local storage, so a thread's pinned slots are freed when the thread ends.
+        self._per_thread = threading.local()
         self._epochs = itertools.count(1)
 
     def coerce(self, obj: Any) -> Any | None:
@@ -297,20 +299,20 @@ class CupyBackend:
                     culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
         return CupyOverflowCheck(bool(agreed_flag), bool(local_flag), tuple(sorted(culprits)))
 
-    # Slots are per thread as well as per (device, stream): two threads launching on one stream
-    # must not write (and read) each other's flag between a launch and its read-back.
     def _vote_slot(self, device_id: int, stream: Any) -> _VoteSlot:
-        key = (device_id, stream.ptr, threading.get_ident())
-        slot = self._vote_slots.get(key)
+        slots: dict[tuple[int, int], _VoteSlot] = self._per_thread.__dict__.setdefault("votes", {})
+        key = (device_id, stream.ptr)
+        slot = slots.get(key)
         if slot is None:
-            slot = self._vote_slots[key] = _VoteSlot()
+            slot = slots[key] = _VoteSlot()
         return slot
 
     def _flag_slot(self, device_id: int, stream: Any) -> _FlagSlot:
-        key = (device_id, stream.ptr, threading.get_ident())
-        slot = self._flags.get(key)
+        slots: dict[tuple[int, int], _FlagSlot] = self._per_thread.__dict__.setdefault("flags", {})
+        key = (device_id, stream.ptr)
+        slot = slots.get(key)
         if slot is None:
-            slot = self._flags[key] = _FlagSlot()
+            slot = slots[key] = _FlagSlot()
         return slot
 
     def _table(self, device_id: int, dtype_name: str, arrays: list[Any]) -> Any:

@@ -5,16 +5,17 @@ tuple's header, at offset ``tuple.__basicsize__``, and an object's ``id()`` is
 its address. Copying that array out in one call gives the identity of every
 entry at memory speed, so a long gradient list can be recognised with one
 ``memcmp`` instead of a loop in Python (about 40 ns per entry). The layout is
-verified once on the running interpreter; where it does not hold,
-:data:`AVAILABLE` is False and callers compare entry by entry.
+verified once on the running interpreter (on first use); where it does not hold,
+:func:`available` returns False and callers compare entry by entry.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import sys
 
-__all__ = ["AVAILABLE", "entry_addresses"]
+__all__ = ["available", "entry_addresses"]
 
 _POINTER_BYTES = ctypes.sizeof(ctypes.c_void_p)
 
@@ -24,15 +25,14 @@ def _read(entries: tuple[object, ...]) -> bytes:
     return ctypes.string_at(id(entries) + tuple.__basicsize__, _POINTER_BYTES * len(entries))
 
 
-def _layout_holds() -> bool:
+@functools.cache
+def available() -> bool:
+    """Return True if this interpreter lays tuples out as CPython does (checked once, on known objects)."""
     if sys.implementation.name != "cpython" or tuple.__itemsize__ != _POINTER_BYTES:
         return False
     probe = (object(), object(), None, object())
     expected = b"".join(id(entry).to_bytes(_POINTER_BYTES, sys.byteorder) for entry in probe)
     return _read(probe) == expected
-
-
-AVAILABLE = _layout_holds()
 
 
 def entry_addresses(entries: tuple[object, ...]) -> bytes:
@@ -44,8 +44,8 @@ def entry_addresses(entries: tuple[object, ...]) -> bytes:
 
     Raises:
         RuntimeError: This interpreter does not lay tuples out as CPython does
-            (check :data:`AVAILABLE` first).
+            (check :func:`available` first).
     """
-    if not AVAILABLE:
-        raise RuntimeError("entry addresses are not readable on this interpreter; check AVAILABLE first")
+    if not available():
+        raise RuntimeError("entry addresses are not readable on this interpreter; check available() first")
     return _read(entries)

@@ -31,10 +31,6 @@ __all__ = ["PreparedCall", "PreparedCallCache"]
 # Marks a prepared call made for a GradientSet (its one reference is to the set itself).
 _SET_KEY = ("<GradientSet>",)
 
-# Compare lists as address vectors (one memcmp) where the interpreter allows it, else entry
-# by entry (about 40 ns per entry in Python).
-COMPARE_ADDRESSES = entry_addresses.AVAILABLE
-
 
 def _none_ref() -> None:
     return None
@@ -124,7 +120,8 @@ class PreparedCallCache:
             refs=tuple(_none_ref if v is None else weakref.ref(v, entry_died) for v in values),
             none_count=sum(v is None for v in values),
             alive=alive,
-            addresses=entry_addresses.entry_addresses(tuple(values)) if COMPARE_ADDRESSES else None,
+            # One memcmp per lookup where the interpreter allows it, else entry by entry (~40 ns each).
+            addresses=entry_addresses.entry_addresses(tuple(values)) if entry_addresses.available() else None,
         )
         self._remember(prepared)
         return prepared

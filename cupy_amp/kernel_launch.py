@@ -60,7 +60,10 @@ class KernelLaunch:
         self._lock = threading.Lock()
 
     def __call__(self, grid: int, block: int, *values: Any) -> None:
-        """Launch on the current stream with ``values`` for the non-fixed parameters, in order."""
+        """Launch on the current stream with ``values`` for the non-fixed parameters, in order.
+
+        Asynchronous: never synchronizes the device.
+        """
         if len(values) != len(self._changing):
             raise TypeError(f"this launch takes {len(self._changing)} changing arguments, got {len(values)}")
         with self._lock:

@@ -166,7 +166,10 @@ class GradScaler:
         With CuPy arrays: one fused kernel launch per (device, dtype) on the
         current stream, then one synchronizing read of a single overflow flag.
         With NumPy arrays nothing is asynchronous. Disabled: returns True and
-        touches nothing.
+        touches nothing. If waiting for the verdict fails (a device error, an
+        interrupt), the exception propagates and the call still counts, as an
+        overflow: its gradients may already be unscaled, so passing them again
+        in this step is refused, and ``update()`` backs off.
 
         Raises:
             GradientTypeError: Not an iterable/mapping of supported float arrays,
@@ -189,8 +192,7 @@ class GradScaler:
         check = plan.run(batch.arrays, self._factors()[1], self._vote) if plan is not None else None
 
         # With CuPy the kernels are running now: do what does not depend on their verdict before waiting.
-        opened = not self._step_open
-        if opened:
+        if not self._step_open:
             self._step_open = True
             self._found_overflow = False
             self._found_overflow_local = False
@@ -204,9 +206,10 @@ class GradScaler:
             else:  # nothing to check here; with a communicator this rank still votes
                 overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
         except BaseException:
-            # No verdict (a device error): leave the step as it was before this call.
-            self._step_batches.pop()
-            self._step_open = not opened
+            # No verdict (a device error, an interrupt), but the kernels may have run: the call counts,
+            # as an overflow, so its gradients are refused if passed again and update() backs off.
+            self._calls.append(_CheckedCall(batch.labels, None, True))
+            self._found_overflow = self._found_overflow_local = True
             raise
         self._calls.append(_CheckedCall(batch.labels, check, local))
         self._found_overflow = self._found_overflow or overflowed

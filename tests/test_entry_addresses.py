@@ -11,10 +11,10 @@ from cupy_amp import entry_addresses
 
 
 def test_readable_on_cpython() -> None:
-    assert (sys.implementation.name == "cpython") == entry_addresses.AVAILABLE
+    assert (sys.implementation.name == "cpython") == entry_addresses.available()
 
 
-@pytest.mark.skipif(not entry_addresses.AVAILABLE, reason="needs CPython's tuple layout")
+@pytest.mark.skipif(not entry_addresses.available(), reason="needs CPython's tuple layout")
 class TestOnCPython:
     def test_addresses_are_the_ids_of_the_entries(self) -> None:
         entries = (np.ones(2), None, np.zeros(3))
@@ -48,6 +48,6 @@ class TestOnCPython:
 
 
 def test_refuses_where_the_layout_does_not_hold(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(entry_addresses, "AVAILABLE", False)
-    with pytest.raises(RuntimeError, match="check AVAILABLE first"):
+    monkeypatch.setattr(entry_addresses, "available", lambda: False)
+    with pytest.raises(RuntimeError, match=r"check available\(\) first"):
         entry_addresses.entry_addresses((1, 2))

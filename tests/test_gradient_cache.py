@@ -20,7 +20,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cupy_amp.gradient_cache
+import cupy_amp.entry_addresses
 import cupy_amp.scaler
 from cupy_amp import (
     DuplicateGradientError,
@@ -37,7 +37,10 @@ NAN = float("nan")
 
 @pytest.fixture(autouse=True, params=["address-vector", "entry-scan"])
 def list_comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    monkeypatch.setattr(cupy_amp.gradient_cache, "COMPARE_ADDRESSES", request.param == "address-vector")
+    if request.param == "entry-scan":
+        monkeypatch.setattr(cupy_amp.entry_addresses, "available", lambda: False)
+    else:
+        assert cupy_amp.entry_addresses.available(), "CPython's tuple layout is expected on the test interpreter"
     return str(request.param)
 
 

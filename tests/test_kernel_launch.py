@@ -7,6 +7,7 @@ through the pointer array, the way the driver does during the launch.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from typing import Any
 
@@ -113,15 +114,21 @@ def test_concurrent_launches_never_mix_their_arguments(launches: list[dict[str, 
     launch = KernelLaunch(FakeFunction(), TYPES, fixed={0: 9})
 
     def worker(base: int) -> None:
-        for i in range(200):
+        for i in range(500):
             launch(1, 32, base + i, np.float32(base + i), base + i, base + i)
 
-    threads = [threading.Thread(target=worker, args=(k * 1000,)) for k in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert len(launches) == 800
+    # Switch threads as often as the interpreter allows, so unlocked writes would interleave.
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=worker, args=(k * 1000,)) for k in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(previous)
+    assert len(launches) == 2000
     for entry in launches:
         _, a, f, b, c = entry["values"]
         assert a == int(f) == b == c

@@ -15,6 +15,7 @@ import io
 import pstats
 import sys
 import time
+import unittest.mock
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 import cupy  # noqa: E402
 
-from cupy_amp import GradientSet, GradScaler, cuda_kernels, gradient_cache  # noqa: E402
+from cupy_amp import GradientSet, GradScaler, cuda_kernels, entry_addresses  # noqa: E402
 from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
 from cupy_amp.update_rule import next_state  # noqa: E402
 
@@ -46,7 +47,6 @@ def per_call_us(run: Callable[[], object], calls: int = 3000, sync: bool = True)
 
 
 def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
-    default_comparison = gradient_cache.COMPARE_ADDRESSES
     results: dict[int, dict[str, float]] = {}
     grads = [cupy.ones(256, dtype=cupy.float32) for _ in range(count)]
     grad_set = GradientSet(grads)
@@ -77,14 +77,14 @@ def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
     # The same lookup forced onto each list-comparison path.
     forced = {}
     for label, by_address in (("entry scan", False), ("address vector", True)):
-        gradient_cache.COMPARE_ADDRESSES = by_address
-        probe_scaler = GradScaler(init_scale=1.0, growth_interval=10**9)
-        probe_scaler.unscale_and_check(grads)
-        probe_scaler.update()
+        # The comparison path is chosen when a list is first seen.
+        with unittest.mock.patch.object(entry_addresses, "available", lambda by_address=by_address: by_address):
+            probe_scaler = GradScaler(init_scale=1.0, growth_interval=10**9)
+            probe_scaler.unscale_and_check(grads)
+            probe_scaler.update()
         forced[f"lookup list, {label}"] = per_call_us(
             functools.partial(probe_scaler._prepared.lookup, grads), sync=False
         )
-    gradient_cache.COMPARE_ADDRESSES = default_comparison
     results[count] = {
         **forced,
         "bare launch+read": per_call_us(bare),
@@ -124,7 +124,8 @@ def probe(count: int, backend: Any, loss: cupy.ndarray) -> None:
 
 def main() -> int:
     backend = cupy_backend()
-    assert backend is not None
+    if backend is None:
+        raise SystemExit("CuPy is not importable")
     loss = cupy.ones((), dtype=cupy.float32)
     for count in (148, 5000):
         probe(count, backend, loss)

@@ -396,32 +396,36 @@ def test_import_compiles_nothing() -> None:
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr
 
 
-def test_two_threads_on_one_stream_each_get_their_own_verdict() -> None:
+@pytest.mark.parametrize("kinds", [("broken", "broken"), ("clean", "broken")])
+def test_two_threads_on_one_stream_each_get_their_own_verdict(kinds: tuple[str, str]) -> None:
     # The verdict is read after the caller's own bookkeeping, so another thread can launch on the same
-    # stream in between; each thread's flag must stay its own.
+    # stream in between. With one flag per stream, a later launch that also overflowed overwrote the
+    # earlier one's flag (its epoch), and the earlier caller read "clean".
     import threading
 
     rounds = 200
-    clean = [cupy.ones(1 << 16, dtype=cupy.float32) for _ in range(4)]
-    broken = [cupy.ones(1 << 16, dtype=cupy.float32) for _ in range(4)]
-    broken[-1][-1] = cupy.inf
-    barrier = threading.Barrier(2)
-    verdicts: dict[str, list[bool]] = {"clean": [], "broken": []}
 
-    def worker(name: str, grads: list[object]) -> None:
+    def gradients(kind: str) -> list[object]:
+        grads = [cupy.ones(1 << 16, dtype=cupy.float32) for _ in range(4)]
+        if kind == "broken":
+            grads[-1][-1] = cupy.inf
+        return grads
+
+    barrier = threading.Barrier(2)
+    verdicts: list[list[bool]] = [[], []]
+
+    def worker(index: int, grads: list[object]) -> None:
         scaler = GradScaler(init_scale=1.0, min_scale=None)
         with cupy.cuda.Stream.null:
             for _ in range(rounds):
                 barrier.wait()
-                verdicts[name].append(scaler.unscale_and_check(grads))
+                verdicts[index].append(scaler.unscale_and_check(grads))
                 scaler.update()
 
-    threads = [
-        threading.Thread(target=worker, args=(name, grads)) for name, grads in (("clean", clean), ("broken", broken))
-    ]
+    threads = [threading.Thread(target=worker, args=(i, gradients(kind))) for i, kind in enumerate(kinds)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
-    assert verdicts["clean"] == [True] * rounds
-    assert verdicts["broken"] == [False] * rounds
+    for kind, seen in zip(kinds, verdicts):
+        assert seen == [kind == "clean"] * rounds, kind
