@@ -106,8 +106,8 @@ class GradScaler:
         self._step_batches: list[GradientBatch] = []
         # Gradient arguments seen before, so a repeated list skips validation and setup.
         self._prepared = PreparedCallCache()
-        # The successor of a clean step, computed while the kernels run: (state, config, successor).
-        self._clean_update: tuple[ScalerState, ScalerConfig, ScalerState] | None = None
+        # The state a clean update() moves to, computed when the step opens (while the kernels run).
+        self._clean_successor: ScalerState | None = None
         # Both factors are needed on every step: cached with the scale they were made from.
         self._factors_of: float | None = None
         self._scale32: np.float32 = np.float32(1.0)
@@ -191,15 +191,16 @@ class GradScaler:
 
         check = plan.run(batch.arrays, self._factors()[1], self._vote) if plan is not None else None
 
-        # With CuPy the kernels are running now: do what does not depend on their verdict before waiting.
+        # With CuPy the kernels are running now: do what does not depend on their verdict before waiting,
+        # including the state a clean update() moves to (the usual outcome).
         if not self._step_open:
             self._step_open = True
             self._found_overflow = False
             self._found_overflow_local = False
             self._calls = []
             self._step_batches = []
+            self._clean_successor = next_state(self._config, self._state, False, False)
         self._step_batches.append(batch)
-        self._prepare_clean_update()
         try:
             if check is not None:
                 overflowed, local = check.found_overflow(), check.local_overflow()
@@ -215,15 +216,6 @@ class GradScaler:
         self._found_overflow = self._found_overflow or overflowed
         self._found_overflow_local = self._found_overflow_local or local
         return not overflowed
-
-    def _prepare_clean_update(self) -> None:
-        """Compute the state ``update()`` will move to if the step stays clean (the usual outcome).
-
-        Called while the kernels run, so a clean ``update()`` costs no computation after them.
-        """
-        state, config, clean = self._state, self._config, self._clean_update
-        if clean is None or clean[0] is not state or clean[1] is not config:
-            self._clean_update = (state, config, next_state(config, state, False, False))
 
     def _factors(self) -> tuple[np.float32, np.float32]:
         """Return (scale, inverse scale) as float32, recomputed only when the scale changed."""
@@ -269,11 +261,13 @@ class GradScaler:
                 "True, update(). With gradient accumulation, call unscale_and_check() and update() once per "
                 "optimizer step, after the last micro-batch, not once per micro-batch."
             )
-        clean = self._clean_update
-        if not self._found_overflow and clean is not None and clean[0] is self._state and clean[1] is self._config:
-            self._state = clean[2]
-        else:
+        # The state and config cannot change while a step is open, so the successor computed when it
+        # opened still holds.
+        if self._found_overflow or self._clean_successor is None:
             self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
+        else:
+            self._state = self._clean_successor
+        self._clean_successor = None
         self._step_open = False
         self._step_batches = []
 
