@@ -1,13 +1,15 @@
 """cupy-amp: FP16 mixed-precision loss scaling for CuPy and NumPy arrays."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.config import ScalerConfig
 from cupy_amp.errors import (
     ArgumentTypeError,
     CheckpointCorruptError,
     CheckpointError,
     CheckpointFieldError,
     CheckpointVersionError,
+    CommunicatorError,
     ConfigError,
     CupyAmpError,
     DuplicateGradientError,
@@ -17,10 +19,13 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.gradients import GradientSet
-from cupy_amp.scaler import GradScaler
-from cupy_amp.stats import GradScalerStats
+from cupy_amp.rule import ScalerConfig
+from cupy_amp.scaler import GradScaler, GradScalerStats
 
-__version__ = "0.1.0.dev0"
+try:
+    __version__ = version("cupy-amp")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "ArgumentTypeError",
@@ -28,6 +33,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFieldError",
     "CheckpointVersionError",
+    "CommunicatorError",
     "ConfigError",
     "CupyAmpError",
     "DuplicateGradientError",

@@ -1,4 +1,4 @@
-"""The ``cupy-amp`` command: look into and check scaler checkpoint files.
+"""The ``cupy-amp`` command: look into and check scaler checkpoint files, or run the demo.
 
 Subcommands::
 
@@ -6,16 +6,15 @@ Subcommands::
     cupy-amp validate FILE...        check that files are intact, valid checkpoints
     cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
-Both read every format version up to the current one. ``inspect`` shows the
-version the file was written in and the fields as this cupy-amp reads them,
-that is after upgrading an older file (a version-1 file shows
-``found_overflow_local`` equal to ``found_overflow`` and
-``remote_skipped_steps`` 0); the file itself is never rewritten.
+``inspect`` and ``validate`` read every format version up to the current one,
+with exactly the checks of ``GradScalerCheckpoint.load``; ``inspect`` shows the
+version a file was written in and its fields as read (an older file upgraded);
+files are never rewritten.
 
-Exit status: 0 on success, 1 when a file is missing, unreadable or invalid
-(for ``demo``: when the run cannot start or fails), 2 on a usage error.
-Errors are one line on stderr, never a traceback. Only ``demo`` touches a
-device; its modules (and CuPy, for the GPU) are imported only when it runs.
+Exit status: 0 on success, 1 when a file is missing, unreadable or invalid (for
+``demo``: when the run cannot start or fails), 2 on a usage error, 130 when
+interrupted. Errors are one line on stderr, never a traceback, whatever the
+file names. The demo (and CuPy) are imported only when ``demo`` runs.
 """
 
 from __future__ import annotations
@@ -24,43 +23,47 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TextIO
 
-from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import (
-    FORMAT_NAME,
-    FORMAT_VERSION,
-    decode_document,
-    describe_source,
-    read_checkpoint_file,
-)
-from cupy_amp.demo import options as demo_options
-from cupy_amp.errors import CheckpointError, CheckpointFieldError
+from cupy_amp import __version__
+from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
+from cupy_amp.errors import CheckpointError
 
 __all__ = ["main"]
 
 EXIT_OK = 0
 EXIT_INVALID = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``) and return the exit status."""
-    parser = _build_parser()
+    arguments = list(sys.argv[1:] if argv is None else argv)
     try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits after --help (0) and on usage errors (2)
-        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
-    command: Callable[[argparse.Namespace], int] = args.command
-    return command(args)
+        if arguments[:1] == ["demo"]:
+            from cupy_amp.demo import main as demo_main  # the demo has its own parser and help
+
+            return demo_main(arguments[1:])
+        try:
+            args = _parser().parse_args(arguments)
+        except SystemExit as exc:  # argparse exits after --help (0) and on usage errors (2)
+            return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+        return args.command(args)  # type: ignore[no-any-return]
+    except KeyboardInterrupt:
+        _print("cupy-amp: interrupted", sys.stderr)
+        return EXIT_INTERRUPTED
+    except Exception as exc:  # a bug or a broken environment: still one line, never a traceback
+        _print(f"cupy-amp: unexpected error: {type(exc).__name__}: {exc}", sys.stderr)
+        return EXIT_INVALID
 
 
-def _build_parser() -> argparse.ArgumentParser:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cupy-amp",
-        description="Inspect and validate cupy-amp GradScaler checkpoint files, or run the demo.",
+        prog="cupy-amp", description="Inspect and validate cupy-amp GradScaler checkpoint files, or run the demo."
     )
+    parser.add_argument("--version", action="version", version=f"cupy-amp {__version__}")
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
     inspect = subcommands.add_parser(
@@ -86,59 +89,35 @@ def _build_parser() -> argparse.ArgumentParser:
     validate.add_argument("files", metavar="FILE", nargs="+", help="checkpoint files to check")
     validate.set_defaults(command=_validate)
 
-    demo = subcommands.add_parser(
-        "demo",
-        help="train a small fp16 classifier with the loss scaler, on the CPU or a GPU",
-        description=demo_options.DESCRIPTION,
-        epilog=demo_options.EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo_options.add_arguments(demo)
-    demo.set_defaults(command=_demo)
+    # Listed for --help; `cupy-amp demo ...` is handed to the demo's own parser before this one runs.
+    subcommands.add_parser("demo", help="train a small fp16 classifier with the loss scaler (cupy-amp demo --help)")
     return parser
 
 
-def _demo(args: argparse.Namespace) -> int:
-    from cupy_amp.demo.command import run
-
-    return run(args, sys.stdout, sys.stderr)
-
-
-class _Unreadable(Exception):
-    """Internal: the file could not be opened or read."""
-
-
-def _load(path: str) -> tuple[int, GradScalerCheckpoint]:
-    """Return the format version a checkpoint file was written in, and the checkpoint it holds.
-
-    Checks exactly what :meth:`GradScalerCheckpoint.load` checks, with the same
-    messages, reading the file once. An OSError becomes _Unreadable with a
-    one-line message.
-    """
+def _load(path: str) -> tuple[int, dict[str, object]]:
+    """Return a checkpoint file's format version and fields; OSError becomes a one-line CheckpointError."""
     try:
-        data = read_checkpoint_file(path)
+        version, checkpoint = read_checkpoint(path)
     except OSError as exc:
-        raise _Unreadable(f"{describe_source(path)}: cannot read: {exc.strerror or exc}.") from None
-    document = decode_document(data, source=path)
-    try:
-        checkpoint = GradScalerCheckpoint.from_dict(document.fields)
-    except CheckpointFieldError as exc:
-        raise CheckpointFieldError(f"{describe_source(path)}: {exc}") from None
-    return document.version, checkpoint
+        raise CheckpointError(f"checkpoint {path!r}: cannot read: {exc.strerror or exc}.") from None
+    return version, checkpoint.to_dict()
 
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        version, checkpoint = _load(args.file)
-    except (CheckpointError, _Unreadable) as exc:
-        print(f"cupy-amp inspect: {exc}", file=sys.stderr)
+        version, fields = _load(args.file)
+    except CheckpointError as exc:
+        _print(f"cupy-amp inspect: {exc}", sys.stderr)
         return EXIT_INVALID
-    fields = checkpoint.to_dict()
     if args.json:
-        document = {"format": FORMAT_NAME, "version": version, "fields": fields}
-        print(json.dumps(document, indent=2, allow_nan=False))
-    else:
-        _print_fields(args.file, version, fields, sys.stdout)
+        _print(json.dumps({"format": FORMAT_NAME, "version": version, "fields": fields}, indent=2), sys.stdout)
+        return EXIT_OK
+    upgraded = "" if version == FORMAT_VERSION else f" (fields upgraded to version {FORMAT_VERSION})"
+    rows = [("file", args.file), ("format", f"{FORMAT_NAME} version {version}{upgraded}")]
+    rows += [(name, _format_value(name, value)) for name, value in fields.items()]
+    width = max(len(name) for name, _ in rows) + 1
+    for name, text in rows:
+        _print(f"{name + ':':<{width}} {text}", sys.stdout)
     return EXIT_OK
 
 
@@ -147,41 +126,32 @@ def _validate(args: argparse.Namespace) -> int:
     for path in args.files:
         try:
             _load(path)
-        except (CheckpointError, _Unreadable) as exc:
-            print(f"FAIL  {exc}", file=sys.stderr)
+        except CheckpointError as exc:
+            _print(f"FAIL  {exc}", sys.stderr)
             status = EXIT_INVALID
         else:
-            print(f"OK  {path}")
+            _print(f"OK  {path}", sys.stdout)
     return status
 
 
-def _print_fields(path: str, version: int, fields: dict[str, object], out: TextIO) -> None:
-    upgraded = "" if version == FORMAT_VERSION else f" (fields upgraded to version {FORMAT_VERSION})"
-    rows = [("file", path), ("format", f"{FORMAT_NAME} version {version}{upgraded}")]
-    rows += [(name, _format_value(name, value)) for name, value in fields.items()]
-    width = max(len(name) for name, _ in rows) + 1
-    for name, text in rows:
-        out.write(f"{name + ':':<{width}} {text}\n")
+def _print(text: str, stream: TextIO) -> None:
+    """Write one line that the stream can always encode (undecodable file names come out escaped)."""
+    encoding = getattr(stream, "encoding", None) or "utf-8"
+    stream.write(text.encode(encoding, "backslashreplace").decode(encoding) + "\n")
+    stream.flush()
+
+
+_NO_CLAMP = {"min_scale": "no floor", "max_scale": "no ceiling"}
 
 
 def _format_value(name: str, value: object) -> str:
     """Format a field exactly; the scale and its clamps also as powers of two where that is short."""
-    if name in _SCALE_FIELDS and isinstance(value, float):
-        return _format_scale(value)
     if value is None and name in _NO_CLAMP:
         return f"None ({_NO_CLAMP[name]})"
-    return repr(value)
-
-
-_SCALE_FIELDS = frozenset({"scale", "min_scale", "max_scale"})
-_NO_CLAMP = {"min_scale": "no floor", "max_scale": "no ceiling"}
-
-
-def _format_scale(value: float) -> str:
+    if name not in ("scale", "min_scale", "max_scale") or not isinstance(value, float):
+        return repr(value)
     exact = str(int(value)) if value.is_integer() and value < 2.0**53 else repr(value)
-    if value == 0:
-        return exact
-    mantissa, exponent = math.frexp(value)  # value == mantissa * 2**exponent with 0.5 <= mantissa < 1
+    mantissa, exponent = math.frexp(value)  # value == mantissa * 2**exponent, 0.5 <= mantissa < 1
     mantissa, exponent = mantissa * 2, exponent - 1
     if mantissa == 1:
         return f"{exact} (2**{exponent})"

@@ -1,350 +1,454 @@
 """The CuPy backend: fused CUDA kernels with the NumPy backend's exact bits.
 
 Gradients are grouped by (device, dtype); each group is one launch of the
-multi-tensor kernel over device tables that are cached for the common case
-where the same arrays come back every step. The only synchronization is the
-read-back of one overflow flag per device (and, only when that flag is set,
-of the per-gradient flags).
+multi-tensor kernel over device tables (one chunk record per block of work),
+cached for the common case where the same memory comes back every step. The
+only synchronization of a call is the read-back of one overflow flag per
+device (and, only after an overflow, of the per-gradient flags).
+
+Modules are compiled on first use, once per device (never at import), with
+``cupy.RawModule`` and plain ``extern "C"`` entry points, so CuPy's on-disk
+compile cache applies. Kernels take one argument, a struct; each struct of
+``kernels/common.cuh`` is mirrored by a NumPy dtype here, and every compile
+checks the two layouts against each other (``static_assert``). Launches go
+through one driver call per kernel on the current stream, from a parameter
+block reused launch after launch.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from importlib.abc import Traversable
+from typing import Any, NamedTuple
 
+import cupy
 import numpy as np
 
-from cupy_amp.array_backend import byte_extent, register_array_type
-from cupy_amp.errors import GradientTypeError, GradientValueError
+from cupy_amp.distributed import OverflowVote, device_answer
+from cupy_amp.kernel_sources import read_kernel_source
 
-try:
-    import cupy
-except ImportError:  # the NumPy path works without CuPy
-    cupy = None
+__all__ = [
+    "CHUNK",
+    "CHUNK_BYTES",
+    "LAYOUT_FIXED",
+    "NAME",
+    "SCALE_ARGS",
+    "THREADS",
+    "UNSCALE_ARGS",
+    "as_array",
+    "compile_options",
+    "layout_checks",
+    "location",
+    "prepare",
+    "scale_loss",
+    "unscale",
+    "write_problem",
+]
 
-__all__ = ["CupyBackend", "CupyOverflowCheck", "CupyUnscalePlan", "cupy_backend"]
+NAME = "cupy"
+# A CuPy array's strides, dtype and memory are fixed for its life (a new shape keeps the same
+# elements), so a call validated once stays valid while the same array objects come back.
+LAYOUT_FIXED = True
 
-_TABLE_CACHE_SIZE = 16
+THREADS = 512  # per block; passed to the kernels with -D
+CHUNK_BYTES = 32768  # one block's unit of work (tuned on an H200: BENCHMARKS.md)
+_MAX_GRID = 2**31 - 1
+_MAX_NDIM = 64  # kMaxNdim in kernels/common.cuh
+_TABLES_KEPT = 16
+
+# The structs of kernels/common.cuh, field for field (compile_source() checks it).
+CHUNK = np.dtype(
+    [("address", "<u8"), ("first", "<i8"), ("last", "<i8"), ("tensor", "<i4"), ("layout", "<i4")], align=True
+)
+UNSCALE_ARGS = np.dtype(
+    [
+        ("chunks", "<u8"),
+        ("layouts", "<u8"),
+        ("chunk_count", "<i8"),
+        ("found", "<u8"),
+        ("tensor_found", "<u8"),
+        ("inv_scale", "<f4"),
+        ("epoch", "<i4"),
+    ],
+    align=True,
+)
+SCALE_ARGS = np.dtype(
+    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("scale", "<f4")], align=True
+)
+_STRUCTS = {"cupy_amp::Chunk": CHUNK, "cupy_amp::UnscaleArgs": UNSCALE_ARGS, "cupy_amp::ScaleArgs": SCALE_ARGS}
+_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
 
 
-@dataclass(frozen=True)
-class CupyOverflowCheck:
-    """Overflow result of one call, already read back from the device(s)."""
-
-    overflow: bool
-    local: bool
-    positions: tuple[int, ...]
-
-    def found_overflow(self) -> bool:
-        """Return the verdict (already read back: never synchronizes)."""
-        return self.overflow
-
-    def local_overflow(self) -> bool:
-        """Return True if this process's gradients held inf/nan."""
-        return self.local
-
-    def nonfinite_positions(self) -> list[int]:
-        """Return the positions of the gradients that held inf/nan."""
-        return list(self.positions)
+def compile_options() -> tuple[str, ...]:
+    """Return the options passed to ``cupy.RawModule`` (CuPy adds its own)."""
+    return ("--std=c++17", f"-DCUPY_AMP_THREADS={THREADS}")
 
 
-_CLEAN = CupyOverflowCheck(False, False, ())
+_C_TYPES = {"<u8": "unsigned long long", "<i8": "long long", "<i4": "int", "<f4": "float"}
 
 
-class _LaunchedCheck:
-    """The result of launched kernels, read back from the device on the first question.
+def layout_checks() -> str:
+    """Return C++ that fails to compile unless each kernel struct matches its NumPy dtype.
 
-    The caller can do work that does not depend on the verdict while the
-    kernels run, and only then wait for them.
+    A constant of the struct is built by aggregate initialization, which fills
+    the fields in declaration order: each field must hold its own probe value
+    and have the dtype's type, and the sizes must agree. Same fields, same
+    order, same types and same size give the same offsets under C's layout
+    rules, which the dtypes follow (``align=True``).
+    """
+    lines = [
+        "namespace cupy_amp_layout_checks {",
+        "template <class A, class B> struct same { static constexpr bool value = false; };",
+        "template <class A> struct same<A, A> { static constexpr bool value = true; };",
+    ]
+    for number, (struct, dtype) in enumerate(_STRUCTS.items()):
+        probe = f"probe{number}"
+        lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(dtype.names or ())))}}};")
+        lines.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from Python");')
+        for index, name in enumerate(dtype.names or ()):
+            c_type = _C_TYPES[dtype[name].str]
+            lines.append(
+                f"static_assert({probe}.{name} == {index + 1} && same<decltype({struct}::{name}), {c_type}>::value, "
+                f'"{struct}::{name}: position or type differs from Python");'
+            )
+    return "\n".join([*lines, "}  // namespace cupy_amp_layout_checks"]) + "\n"
+
+
+def compile_source(file_name: str, directory: Traversable | None = None) -> str:
+    """Return what is compiled for ``file_name``: its inlined source, then the layout checks."""
+    return read_kernel_source(file_name, directory) + '#line 1 "layout_checks"\n' + layout_checks()
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _module(file_name: str) -> cupy.RawModule:
+    return cupy.RawModule(code=compile_source(file_name), options=compile_options())
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _function(file_name: str, entry: str) -> Any:
+    return _module(file_name).get_function(entry).kernel  # compiled for the current device
+
+
+class _Launcher:
+    """A kernel and its one struct argument, kept in host memory and refilled for each launch.
+
+    The driver copies the argument when the launch is queued, so the block can
+    be refilled right after; the lock keeps two threads from interleaving.
     """
 
-    __slots__ = ("_read", "_result")
+    def __init__(self, function: Any, dtype: np.dtype[Any], **fixed: int) -> None:
+        self._function = function  # holds the module loaded
+        self._record = np.zeros(1, dtype)
+        for name, value in fixed.items():
+            self._record[name] = value
+        self._fields = {name: self._record[name] for name in dtype.names or ()}
+        self._params = np.array([self._record.ctypes.data], dtype=np.uint64)  # the driver's void*[1]
+        self._addresses = (int(function.ptr), self._params.ctypes.data)
+        self._lock = threading.Lock()
 
-    def __init__(self, read: Any) -> None:
-        self._read = read
-        self._result: CupyOverflowCheck | None = None
-
-    def _resolved(self) -> CupyOverflowCheck:
-        if self._result is None:
-            self._result = self._read()
-            self._read = None  # the closure holds the plan's tables: drop it once read
-        return self._result
-
-    def found_overflow(self) -> bool:
-        """Return the verdict (waits for the kernels the first time)."""
-        return self._resolved().overflow
-
-    def local_overflow(self) -> bool:
-        """Return True if this process's gradients held inf/nan."""
-        return self._resolved().local
-
-    def nonfinite_positions(self) -> list[int]:
-        """Return the positions of the gradients that held inf/nan."""
-        return list(self._resolved().positions)
+    def __call__(self, grid: int, **values: Any) -> None:
+        """Launch on the current stream (asynchronous: never synchronizes)."""
+        function, params = self._addresses
+        with self._lock:
+            for name, value in values.items():
+                self._fields[name][0] = value
+            stream = cupy.cuda.get_current_stream().ptr
+            cupy.cuda.driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, params, 0)
 
 
-@dataclass(frozen=True)
-class _Group:
-    """The gradients of one (device, dtype): one kernel launch."""
+def as_array(obj: Any) -> Any | None:
+    """Return ``obj`` as a CuPy array (zero-copy), or None if it is not a CUDA array."""
+    if isinstance(obj, cupy.ndarray):
+        return obj
+    try:
+        if hasattr(obj, "__cuda_array_interface__"):
+            return cupy.asarray(obj)
+        if hasattr(obj, "__dlpack__"):
+            return cupy.from_dlpack(obj)
+    except Exception:  # not a CUDA array after all (a CPU DLPack tensor, one that needs grad...)
+        return None
+    return None
 
-    device_id: int
-    positions: tuple[int, ...]
-    table: Any
+
+def write_problem(array: cupy.ndarray, source: Any) -> str | None:
+    """Return why the kernels cannot write ``array`` in place, or None."""
+    interface = getattr(source, "__cuda_array_interface__", None) if source is not array else None
+    if interface is not None and interface["data"][1]:
+        return f"its {type(source).__name__} exports the memory as read-only"
+    itemsize = array.itemsize
+    if array.data.ptr % itemsize or any(stride % itemsize for stride in array.strides):
+        return (
+            f"its address {array.data.ptr:#x} or strides {array.strides} are not multiples of its itemsize "
+            f"{itemsize} (a misaligned view), which the GPU cannot access"
+        )
+    if array.ndim > _MAX_NDIM:
+        return f"it has {array.ndim} dimensions, more than the kernels' {_MAX_NDIM}"
+    return None
 
 
-class CupyUnscalePlan:
-    """Launch groups and device tables for one list of CuPy gradients.
+def location(array: cupy.ndarray) -> tuple[int, int]:
+    """Return (address of element [0, ..., 0], device id)."""
+    return array.data.ptr, array.data.device_id
 
-    Holds no reference to the arrays. Reuse is valid while the same array
-    objects come back: their addresses cannot change, and for the few
-    non-dense arrays the shape and strides are re-checked.
+
+def dense_base(array: cupy.ndarray) -> int | None:
+    """Return the lowest address of ``array`` if its elements fill one gap-free block, else None.
+
+    Dense arrays (C- or F-ordered, transposed, reversed) are walked as flat
+    memory, which is valid because unscaling treats every element alike.
     """
+    flags = array.flags
+    if array.ndim == 0 or flags.c_contiguous or flags.f_contiguous:
+        return int(array.data.ptr)
+    dims = sorted((abs(stride), extent) for extent, stride in zip(array.shape, array.strides) if extent > 1)
+    expected = array.itemsize
+    for stride, extent in dims:
+        if stride != expected:
+            return None
+        expected *= extent
+    offset = sum((extent - 1) * stride for extent, stride in zip(array.shape, array.strides) if stride < 0)
+    return int(array.data.ptr) + int(offset)
 
-    def __init__(
-        self, backend: CupyBackend, groups: tuple[_Group, ...], strided: tuple[tuple[int, Any, Any], ...]
-    ) -> None:
-        self._backend = backend
-        self.groups = groups
-        self._strided = strided
 
-    def still_valid(self, arrays: Sequence[Any]) -> bool:
-        if not self._strided:  # the usual case: dense arrays cannot change layout in place
-            return True
-        return all(
-            arrays[position].shape == shape and arrays[position].strides == strides
-            for position, shape, strides in self._strided
+def _layout(array: cupy.ndarray) -> list[int]:
+    return [array.ndim, *array.shape, *(stride // array.itemsize for stride in array.strides)]
+
+
+def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device_id`` current for a block; free when it already is (the usual case)."""
+    if cupy.cuda.runtime.getDevice() == device_id:
+        return contextlib.nullcontext()
+    device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)
+    return device
+
+
+def scale_loss(loss: cupy.ndarray, factor: np.float32) -> None:
+    """Multiply ``loss`` in place by ``factor`` on the current stream (never synchronizes)."""
+    if loss.size == 0:
+        return
+    with _on_device(loss.data.device_id):
+        base, layout = dense_base(loss), None
+        if base is None:
+            base = loss.data.ptr
+            layout = cupy.asarray(np.array(_layout(loss), dtype=np.int64))  # freed in stream order
+        chunk = CHUNK_BYTES // loss.itemsize
+        _scale_launcher(_DTYPE_NAMES[loss.dtype])(
+            min(-(-loss.size // chunk), _MAX_GRID),
+            base=base,
+            numel=loss.size,
+            layout=0 if layout is None else layout.data.ptr,
+            chunk_size=chunk,
+            scale=factor,
         )
 
-    def run(self, arrays: Sequence[Any], inv_scale: np.float32, vote: Any = None) -> CupyOverflowCheck | _LaunchedCheck:
-        if vote is not None:
-            return self._backend.run_plan_voting(self, inv_scale, vote)
-        return self._backend.run_plan(self, inv_scale)
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _scale_launcher(dtype_name: str) -> _Launcher:
+    return _Launcher(_function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}"), SCALE_ARGS)
 
 
-class _FlagSlot:
-    """The overflow flag of one (device, stream): one int32 in pinned, mapped host memory.
+class _Table(NamedTuple):
+    """The device tables of one (device, dtype) group: one kernel launch."""
 
-    The kernel writes the flag straight into host memory (with unified
-    addressing a mapped pinned pointer is valid on the device), so reading it
-    costs a stream synchronization and no copy.
+    chunk_count: int
+    memory: cupy.ndarray  # the chunk records, then the layouts of strided tensors
+    tensor_found: cupy.ndarray  # per tensor: the epoch of the last launch that saw inf/nan in it
+    launch: _Launcher | None  # None when the group has no elements
+
+
+class _Group(NamedTuple):
+    device: int
+    positions: tuple[int, ...]  # of the group's arrays in the call
+    table: _Table
+
+
+_tables: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
+_tables_lock = threading.Lock()
+
+
+def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[_Group, ...]:
+    """Group ``arrays`` by (device, dtype) and describe each group in device tables.
+
+    A table is a pure function of the arrays' addresses, shapes, strides and
+    dtype, so the last few are kept and reused for any arrays with the same
+    key, even new ones allocated where freed ones were (fresh gradients every
+    step). Tables hold no reference to the arrays.
+    """
+    positions: dict[tuple[int, Any], list[int]] = {}
+    for position, array in enumerate(arrays):
+        positions.setdefault((array.data.device_id, array.dtype), []).append(position)
+    groups = []
+    for (device, dtype), members in positions.items():
+        key = (device, dtype, tuple((arrays[p].data.ptr, arrays[p].shape, arrays[p].strides) for p in members))
+        with _tables_lock:
+            table = _tables.get(key)
+            if table is not None:
+                _tables.move_to_end(key)
+        if table is None:
+            with _on_device(device):
+                table = _build_table([arrays[p] for p in members], _DTYPE_NAMES[dtype])
+            with _tables_lock:
+                _tables[key] = table
+                while len(_tables) > _TABLES_KEPT:
+                    _tables.popitem(last=False)
+        groups.append(_Group(device, tuple(members), table))
+    return tuple(groups)
+
+
+def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
+    """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
+    count = len(arrays)
+    per_chunk = CHUNK_BYTES // arrays[0].itemsize
+    bases = np.empty(count, dtype=np.int64)
+    sizes = np.empty(count, dtype=np.int64)
+    layout_of = np.full(count, -1, dtype=np.int64)
+    layouts: list[int] = []
+    for index, array in enumerate(arrays):
+        sizes[index] = array.size
+        base = dense_base(array)
+        if base is None:
+            bases[index], layout_of[index] = array.data.ptr, len(layouts)
+            layouts += _layout(array)
+        else:
+            bases[index] = base
+    counts = -(-sizes // per_chunk)
+    chunk_count = int(counts.sum())
+    tensor = np.repeat(np.arange(count, dtype=np.int64), counts)
+    first = (np.arange(chunk_count, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * per_chunk
+    last = np.minimum(first + per_chunk, sizes[tensor])
+    dense = layout_of[tensor] < 0
+    records = np.empty(chunk_count, dtype=CHUNK)
+    records["address"] = np.where(dense, bases[tensor] + first * arrays[0].itemsize, bases[tensor])
+    records["first"] = np.where(dense, 0, first)
+    records["last"] = np.where(dense, last - first, last)
+    records["tensor"] = tensor
+    records["layout"] = layout_of[tensor]
+    host = np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)])
+    memory = cupy.empty(max(host.size, 1), dtype=np.uint8)
+    if host.size:
+        memory[: host.size].set(host, stream=cupy.cuda.get_current_stream())
+    tensor_found = cupy.zeros(count, dtype=np.int32)
+    launch = None
+    if chunk_count:
+        launch = _Launcher(
+            _function("unscale_check.cu", f"cupy_amp_unscale_check_{dtype_name}"),
+            UNSCALE_ARGS,
+            chunks=memory.data.ptr,
+            layouts=memory.data.ptr + records.nbytes,
+            chunk_count=chunk_count,
+            tensor_found=tensor_found.data.ptr,
+        )
+    return _Table(chunk_count, memory, tensor_found, launch)
+
+
+class _Flags:
+    """Where the kernels of one call report inf/nan on one device.
+
+    ``host`` is pinned, mapped host memory: without a vote the kernels write
+    its first word directly (with unified addressing its host pointer is valid
+    on the device), so reading it costs a stream synchronization and no copy.
+    With a vote, they write ``device[0]``, the all-reduce writes ``device[1]``,
+    and both are copied to ``host``.
     """
 
     def __init__(self) -> None:
         flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
-        self._memory = cupy.cuda.PinnedMemory(4, flags)
-        self.host = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._memory, 0), dtype=np.int32, count=1)
-        self.host[0] = 0
-        self.device = np.uint64(self._memory.ptr)
-
-    def read(self, stream: Any) -> int:
-        """Wait for ``stream`` (the one synchronization) and return the flag's value."""
-        stream.synchronize()
-        return int(self.host[0])
-
-
-class _VoteSlot:
-    """Two device int32 flags (local, agreed) for a voting call, and pinned host memory to read them."""
-
-    def __init__(self) -> None:
+        self._pinned = cupy.cuda.PinnedMemory(8, flags)
+        self.host = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._pinned, 0), dtype=np.int32, count=2)
+        self.host[:] = 0
+        self.mapped = self._pinned.ptr
         self.device = cupy.zeros(2, dtype=np.int32)
-        self._pinned = cupy.cuda.alloc_pinned_memory(8)
-        self.host = np.frombuffer(self._pinned, dtype=np.int32, count=2)
-
-    def read(self, stream: Any) -> tuple[int, int]:
-        """Copy both flags to the host on ``stream`` and wait (the one synchronization)."""
-        cupy.cuda.runtime.memcpyAsync(
-            self.host.ctypes.data, self.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
-        )
-        stream.synchronize()
-        return int(self.host[0]), int(self.host[1])
 
 
-class CupyBackend:
-    """Array operations on ``cupy.ndarray`` (and zero-copy views of CUDA arrays)."""
+# Flags not in use, per device. A call takes its own and gives them back after reading them; a call
+# that fails before reading never gives them back (a kernel in flight may still write them): they are
+# dropped, and freeing pinned memory waits for the device.
+_spare_flags: dict[int, list[_Flags]] = {}
+_flags_lock = threading.Lock()
+_epochs = itertools.count(1)
 
-    name = "cupy"
 
-    def __init__(self) -> None:
-        from cupy_amp import cuda_kernels
+def _take_flags(device: int) -> _Flags:
+    with _flags_lock:
+        spare = _spare_flags.get(device)
+        if spare:
+            return spare.pop()
+    return _Flags()
 
-        self._kernels = cuda_kernels
-        self._lock = threading.Lock()
-        self._tables: OrderedDict[Hashable, Any] = OrderedDict()
-        # Flag slots per thread as well as per (device, stream): two threads launching on one stream
-        # must not write (and read) each other's flag between a launch and its read-back. Held in
-        # thread-local storage, so a thread's pinned slots are freed when the thread ends.
-        self._per_thread = threading.local()
-        self._epochs = itertools.count(1)
 
-    def coerce(self, obj: Any) -> Any | None:
-        if isinstance(obj, cupy.ndarray):
-            return obj
-        try:
-            if hasattr(obj, "__cuda_array_interface__"):
-                return cupy.asarray(obj)
-            if hasattr(obj, "__dlpack__"):
-                return cupy.from_dlpack(obj)
-        except Exception:  # not a CUDA array after all (a CPU DLPack tensor, one that needs grad...)
-            return None
-        return None
+def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32, voting: bool) -> Unscaled:
+    """Launch the fused unscale-and-check of every group on its device's current stream.
 
-    def dtype_problem(self, array: Any) -> str | None:
-        if self._kernels.kernel_dtype_name(array.dtype) is not None:
-            return None
-        return f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
+    Asynchronous: the kernels are queued, nothing is waited for. With
+    ``voting``, the plan has one device (the caller checked) and the flag goes
+    to device memory, for :meth:`Unscaled.vote` to all-reduce.
+    """
+    epoch = next(_epochs) % (2**31 - 1) + 1
+    launched: dict[int, tuple[Any, _Flags]] = {}
+    for group in plan:
+        with _on_device(group.device):
+            if group.device not in launched:
+                stream = cupy.cuda.get_current_stream()
+                launched[group.device] = (stream, _take_flags(group.device))
+                if voting:
+                    cupy.cuda.runtime.memsetAsync(launched[group.device][1].device.data.ptr, 0, 8, stream.ptr)
+            flags = launched[group.device][1]
+            if group.table.launch is not None:
+                found = flags.device.data.ptr if voting else flags.mapped
+                group.table.launch(min(group.table.chunk_count, _MAX_GRID), inv_scale=inverse, epoch=epoch, found=found)
+    return Unscaled(plan, launched, epoch, voting)
 
-    def write_problem(self, array: Any) -> str | None:
-        if array.size == 0:
-            return None
-        for extent, stride in zip(array.shape, array.strides):
-            if stride % array.itemsize:
-                return f"its strides {array.strides} are not multiples of its itemsize {array.itemsize}"
-            if stride == 0 and extent > 1:
-                return "it repeats elements (a zero stride, as from broadcasting), so some would be scaled twice"
-        return None
 
-    def memory_extent(self, array: Any) -> tuple[Hashable, int, int]:
-        start, stop = byte_extent(int(array.data.ptr), array.shape, array.strides, array.itemsize)
-        return ("cuda", array.device.id), start, stop
+class Unscaled:
+    """Kernels of one call in flight: vote on their flag (optional), then read the result."""
 
-    def shares_memory(self, first: Any, second: Any) -> bool:
-        return bool(cupy.shares_memory(first, second))
+    def __init__(
+        self, plan: tuple[_Group, ...], launched: dict[int, tuple[Any, _Flags]], epoch: int, voting: bool
+    ) -> None:
+        self._plan = plan
+        self._launched = launched
+        self._epoch = epoch
+        self._voting = voting
 
-    def _dtype_name(self, dtype: Any) -> str:
-        name = self._kernels.kernel_dtype_name(dtype)
-        if name is None:  # validation refuses such arrays before they get here
-            raise GradientTypeError(f"dtype {dtype} has no kernel (expected float16, float32 or float64)")
-        return name
+    def vote(self, vote: OverflowVote) -> None:
+        """Queue the MAX all-reduce of the local flag on the stream (never synchronizes)."""
+        ((device, (stream, flags)),) = self._launched.items()  # one device when voting
+        with _on_device(device):
+            vote.reduce_max(flags.device, stream)
 
-    def scale_in_place(self, loss: Any, scale: np.float32) -> None:
-        dtype_name = self._dtype_name(loss.dtype)
-        with _on_device(loss.data.device_id):
-            self._kernels.launch_scale_loss(loss, dtype_name, np.float32(scale))
+    def result(self) -> tuple[bool, bool | None, tuple[int, ...]]:
+        """Wait for the kernels (the one synchronization) and return what they found.
 
-    def prepare(self, arrays: Sequence[Any]) -> CupyUnscalePlan:
-        positions_by_group: dict[tuple[int, str], list[int]] = {}
-        for position, array in enumerate(arrays):
-            key = (array.device.id, self._dtype_name(array.dtype))
-            positions_by_group.setdefault(key, []).append(position)
-        groups = []
-        for (device_id, dtype_name), positions in positions_by_group.items():
-            with cupy.cuda.Device(device_id):
-                table = self._table(device_id, dtype_name, [arrays[p] for p in positions])
-            groups.append(_Group(device_id, tuple(positions), table))
-        strided = tuple(
-            (position, array.shape, array.strides)
-            for position, array in enumerate(arrays)
-            if self._kernels.dense_base(array) is None
-        )
-        return CupyUnscalePlan(self, tuple(groups), strided)
+        Returns (this rank's overflow, the ranks' verdict or None without a
+        vote, positions of the arrays that held inf/nan).
 
-    def run_plan(self, plan: CupyUnscalePlan, inv_scale: np.float32) -> _LaunchedCheck:
-        """Launch every group of ``plan``; each device's flag is read once, when the result is first asked."""
-        epoch = next(self._epochs) % (2**31 - 1) + 1
-        factor = inv_scale
-        streams: dict[int, tuple[Any, _FlagSlot]] = {}
-        for group in plan.groups:
-            with _on_device(group.device_id):
-                if group.device_id not in streams:
-                    stream = cupy.cuda.get_current_stream()
-                    streams[group.device_id] = (stream, self._flag_slot(group.device_id, stream))
-                self._kernels.launch_unscale_check(group.table, factor, epoch, streams[group.device_id][1].device)
-        return _LaunchedCheck(functools.partial(self._read_flags, plan, streams, epoch))
-
-    def _read_flags(
-        self, plan: CupyUnscalePlan, streams: dict[int, tuple[Any, _FlagSlot]], epoch: int
-    ) -> CupyOverflowCheck:
-        """Wait for the launches of one call and collect its verdict (per-gradient flags only after an overflow)."""
-        overflow = False
+        Raises:
+            CommunicatorError: The all-reduced flag is not a maximum over the ranks.
+        """
+        local, agreed = False, None
         culprits: list[int] = []
-        for device_id, (stream, slot) in streams.items():
-            if slot.read(stream) != epoch:
-                continue
-            overflow = True
-            with _on_device(device_id):
-                for group in plan.groups:
-                    if group.device_id == device_id:
-                        flags = group.table.tensor_found.get(stream=stream)
-                        culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
-        return CupyOverflowCheck(overflow, overflow, tuple(sorted(culprits))) if overflow else _CLEAN
-
-    def run_plan_voting(self, plan: CupyUnscalePlan, inv_scale: np.float32, vote: Any) -> CupyOverflowCheck:
-        """Like :meth:`run_plan`, with the local flag all-reduced (MAX) across ranks before the read-back."""
-        devices = {group.device_id for group in plan.groups}
-        if len(devices) != 1:
-            raise GradientValueError(
-                f"With a communicator, every gradient of a call must be on one device (the communicator's); "
-                f"got devices {sorted(devices)}."
-            )
-        (device_id,) = devices
-        epoch = next(self._epochs) % (2**31 - 1) + 1
-        with _on_device(device_id):
-            stream = cupy.cuda.get_current_stream()
-            slot = self._vote_slot(device_id, stream)
-            cupy.cuda.runtime.memsetAsync(slot.device.data.ptr, 0, 8, stream.ptr)
-            for group in plan.groups:
-                self._kernels.launch_unscale_check(group.table, np.float32(inv_scale), epoch, slot.device)
-            vote.reduce_max(slot.device, stream)
-            local_flag, agreed_flag = slot.read(stream)
-            culprits: list[int] = []
-            if local_flag:
-                for group in plan.groups:
-                    flags = group.table.tensor_found.get(stream=stream)
-                    culprits += [group.positions[i] for i in np.flatnonzero(flags == epoch)]
-        return CupyOverflowCheck(bool(agreed_flag), bool(local_flag), tuple(sorted(culprits)))
-
-    def _vote_slot(self, device_id: int, stream: Any) -> _VoteSlot:
-        slots: dict[tuple[int, int], _VoteSlot] = self._per_thread.__dict__.setdefault("votes", {})
-        key = (device_id, stream.ptr)
-        slot = slots.get(key)
-        if slot is None:
-            slot = slots[key] = _VoteSlot()
-        return slot
-
-    def _flag_slot(self, device_id: int, stream: Any) -> _FlagSlot:
-        slots: dict[tuple[int, int], _FlagSlot] = self._per_thread.__dict__.setdefault("flags", {})
-        key = (device_id, stream.ptr)
-        slot = slots.get(key)
-        if slot is None:
-            slot = slots[key] = _FlagSlot()
-        return slot
-
-    def _table(self, device_id: int, dtype_name: str, arrays: list[Any]) -> Any:
-        key = (device_id, dtype_name, tuple((a.data.ptr, a.shape, a.strides) for a in arrays))
-        with self._lock:
-            table = self._tables.get(key)
-            if table is not None:
-                self._tables.move_to_end(key)
-                return table
-        table = self._kernels.build_device_table(arrays, dtype_name)
-        with self._lock:
-            self._tables[key] = table
-            while len(self._tables) > _TABLE_CACHE_SIZE:
-                self._tables.popitem(last=False)
-        return table
-
-
-_ALREADY_CURRENT = contextlib.nullcontext()  # stateless, so one instance serves every block
-
-
-def _on_device(device_id: int) -> Any:
-    """Make ``device_id`` current for a block; free when it already is (the usual case)."""
-    if cupy.cuda.runtime.getDevice() == device_id:
-        return _ALREADY_CURRENT
-    return cupy.cuda.Device(device_id)
-
-
-@functools.cache
-def cupy_backend() -> CupyBackend | None:
-    """Return the shared CuPy backend, or None when CuPy is not installed."""
-    if cupy is None:
-        return None
-    backend = CupyBackend()
-    register_array_type(cupy.ndarray, backend)
-    return backend
+        for device, (stream, flags) in self._launched.items():
+            with _on_device(device):
+                if self._voting:
+                    cupy.cuda.runtime.memcpyAsync(
+                        flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost,
+                        stream.ptr,
+                    )  # fmt: skip
+                stream.synchronize()
+                local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
+                if self._voting:
+                    agreed = device_answer(local_flag, agreed_flag)
+                if local_flag == self._epoch:
+                    local = True
+                    for group in self._plan:
+                        if group.device == device:
+                            seen = group.table.tensor_found.get(stream=stream)
+                            culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
+        with _flags_lock:
+            for device, (_, flags) in self._launched.items():
+                _spare_flags.setdefault(device, []).append(flags)
+        return local, agreed, tuple(sorted(culprits))

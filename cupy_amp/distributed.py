@@ -7,19 +7,28 @@ combines every rank's local overflow flag with a MAX all-reduce before it reads
 the verdict back: every rank then returns the same bool and makes the same
 ``update()``.
 
+The rules, whatever fails: every rank votes exactly once per
+``unscale_and_check`` call; a call that fails anywhere (bad arguments, a device
+error, an interrupt) votes "overflow" if it had not voted yet; the answer is
+checked (a garbage answer is a :class:`~cupy_amp.errors.CommunicatorError`);
+and a rank whose own gradients held inf/nan never reports a finite step.
+
 A vote is any object with the two methods of :class:`OverflowVote`; NCCL
 communicators from CuPy are wrapped by :func:`overflow_vote_for`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Protocol
 
 import numpy as np
 
-from cupy_amp.errors import ArgumentTypeError
+from cupy_amp.errors import ArgumentTypeError, CommunicatorError
 
-__all__ = ["NcclVote", "OverflowVote", "overflow_vote_for"]
+__all__ = ["NcclVote", "OverflowVote", "device_answer", "host_answer", "overflow_vote_for", "vote_after_failure"]
+
+logger = logging.getLogger(__name__)
 
 
 class OverflowVote(Protocol):
@@ -36,8 +45,8 @@ class OverflowVote(Protocol):
     def host_vote(self, local_overflow: bool) -> bool:
         """Take part with a host-side flag and return the agreed verdict (synchronizes).
 
-        Used by ranks whose call had no gradients on the vote's device (an
-        empty list, NumPy gradients), so that every rank joins every vote.
+        Used by calls whose flag is on the host (NumPy gradients, no gradients
+        at all, a call that failed before its vote), so every rank joins every vote.
         """
         ...
 
@@ -89,3 +98,53 @@ def overflow_vote_for(comm: Any) -> OverflowVote | None:
         f"Invalid 'comm': expected a cupyx.distributed.NCCLBackend, a cupy.cuda.nccl.NcclCommunicator "
         f"or an object with reduce_max() and host_vote() methods, got {type(comm).__name__}."
     )
+
+
+def host_answer(vote: OverflowVote, local_overflow: bool) -> bool:
+    """Vote with a host flag and return the verdict, which counts this rank's own overflow whatever the answer.
+
+    Raises:
+        CommunicatorError: The vote raised, or answered something other than a bool.
+    """
+    try:
+        answer = vote.host_vote(local_overflow)
+    except Exception as exc:
+        raise CommunicatorError(f"The overflow vote failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(answer, (bool, np.bool_)):
+        raise CommunicatorError(
+            f"The overflow vote answered {answer!r} ({type(answer).__name__}); expected a bool. "
+            f"The step counts as an overflow."
+        )
+    return bool(answer) or local_overflow
+
+
+def device_answer(local_flag: int, agreed_flag: int) -> bool:
+    """Return the verdict from this rank's flag and the all-reduced one, checking that it is a maximum.
+
+    Raises:
+        CommunicatorError: The reduced flag is smaller than this rank's own, so it is no MAX over the ranks.
+    """
+    if agreed_flag < local_flag or agreed_flag < 0:
+        raise CommunicatorError(
+            f"The overflow all-reduce answered {agreed_flag}, which is not a maximum over the ranks' flags "
+            f"(this rank's is {local_flag}); the communicator did not run a MAX reduction of int32 flags. "
+            f"The step counts as an overflow."
+        )
+    return agreed_flag != 0 or local_flag != 0
+
+
+def vote_after_failure(vote: OverflowVote, error: BaseException) -> None:
+    """Vote "overflow" for a call that ``error`` stopped before its vote, so the other ranks do not hang.
+
+    A failure of this vote does not replace ``error``: it is logged, attached
+    to ``error`` as its context and, where Python supports it, as a note.
+    """
+    try:
+        host_answer(vote, True)
+    except CommunicatorError as vote_error:
+        logger.error("cupy-amp: the overflow vote after a failed call failed too: %s", vote_error)
+        vote_error.__context__ = None  # it was raised while handling `error`; keep the chain acyclic
+        error.__context__ = vote_error
+        add_note = getattr(error, "add_note", None)
+        if add_note is not None:
+            add_note(f"cupy-amp: voting 'overflow' for this call failed as well: {vote_error}")

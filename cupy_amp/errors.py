@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointFieldError",
     "CheckpointVersionError",
+    "CommunicatorError",
     "ConfigError",
     "CupyAmpError",
     "DuplicateGradientError",
@@ -46,6 +47,10 @@ class GradientValueError(CupyAmpError, ValueError):
 
 class ScalerProtocolError(CupyAmpError, RuntimeError):
     """The scaler's calls came in an order that would give wrong results."""
+
+
+class CommunicatorError(CupyAmpError, RuntimeError):
+    """The communicator failed or gave an answer that is not a vote; the step counts as an overflow."""
 
 
 class CheckpointError(CupyAmpError, ValueError):

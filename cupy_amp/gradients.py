@@ -1,144 +1,231 @@
-"""Turn the user's gradient and loss arguments into validated arrays.
+"""Turn ``scale_loss`` and ``unscale_and_check`` arguments into validated arrays, and keep a step's claims.
 
-Everything that can be wrong with an argument is found here, before any
-array is touched, so a rejected call leaves every array as it was.
+Everything that can be wrong with an argument is found here, before any array
+is touched: its type, dtype, writability and alignment, elements repeated
+within one array, memory shared by two arrays of a call (:func:`parse_gradients`)
+or with an array an earlier call of the step unscaled (:class:`StepClaims`).
+A parsed call is plain data (:class:`Call`) that the scaler hands to the
+backend that owns its arrays: :mod:`cupy_amp.numpy_backend` or
+:mod:`cupy_amp.cupy_backend` (imported only when a GPU array shows up).
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+import bisect
+import operator
+import types
+import weakref
+from collections.abc import Hashable, Iterable, Iterator, Mapping
 from typing import Any, NamedTuple
 
-from cupy_amp.array_backend import ArrayBackend, backend_for
+import numpy as np
+
+from cupy_amp import numpy_backend
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
 
-__all__ = ["GradientBatch", "GradientSet", "check_disjoint", "collect_gradients", "collect_loss", "describe"]
+__all__ = ["Call", "CallCache", "Footprint", "GradientSet", "StepClaims", "describe", "parse_gradients", "parse_loss"]
+
+FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
-class GradientBatch(NamedTuple):
-    """The arrays of one ``unscale_and_check`` call, validated.
+class Footprint(NamedTuple):
+    """The memory one array may write: its element layout at an address, on a device (-1: the host).
 
-    A NamedTuple rather than a frozen dataclass: one is built on every call,
-    and a tuple is several times cheaper to build.
+    Addresses are compared across devices as they are: with CUDA's unified
+    addressing, host and device memory never share an address.
+    """
+
+    start: int
+    stop: int
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    device: int
+
+
+class Call(NamedTuple):
+    """One validated ``unscale_and_check`` argument: what a backend needs to run it.
 
     Attributes:
-        labels: For each array, its position in the argument (an int) or its
-            key in a mapping.
+        labels: For each array, its position in the argument (an int) or its key in a mapping.
         arrays: The arrays, in argument order, ``None`` entries left out.
-        backend: The backend all arrays belong to; None for an empty batch.
-        native: True when every entry already was the backend's own array type
-            (no zero-copy wrapping of a foreign array was needed).
+        backend: The module that runs them (None when there are none).
+        footprints: For each array, the memory it spans.
+        plan: What the backend prepared for these arrays (CuPy: device tables), or None.
+        cacheable: The arrays' layouts cannot change behind the same objects, so the call
+            may be reused when the same objects come back.
     """
 
     labels: tuple[Hashable, ...]
     arrays: tuple[Any, ...]
-    backend: ArrayBackend | None
-    native: bool = True
-
-
-@dataclass(frozen=True)
-class _Claim:
-    """The bytes one gradient spans, tagged with the call it came from."""
-
-    domain: Hashable
-    start: int
-    stop: int
-    call: int
-    label: Hashable
-    array: Any
-
-
-class GradientSet:
-    """A fixed, validated collection of gradient arrays, recognised in O(1) every step.
-
-    ``unscale_and_check`` accepts plain lists, tuples and dicts and recognises
-    them when the same arrays come back (a scan over the entries). Wrapping the
-    gradients once in a ``GradientSet`` (a list, tuple or mapping name -> array;
-    ``None`` entries allowed) removes even that scan: the set is immutable, so
-    passing the same set again needs no per-gradient work on the host. Useful
-    with thousands of gradient arrays that live as long as the model.
-
-    The set holds its arrays; it is validated on construction with the same
-    rules as ``unscale_and_check``.
-    """
-
-    __slots__ = ("__weakref__", "_batch", "_keys", "_values")
-
-    def __init__(self, gradients: Any) -> None:
-        if isinstance(gradients, Mapping):
-            self._keys: tuple[Hashable, ...] | None = tuple(gradients)
-            self._values: tuple[Any, ...] = tuple(gradients.values())
-        else:
-            self._keys = None
-            self._values = tuple(value for _, value in _entries(gradients))
-        self._batch = collect_gradients(self)
-        check_disjoint([self._batch])
-
-    @property
-    def batch(self) -> GradientBatch:
-        """The validated arrays and their labels."""
-        return self._batch
-
-    def entries(self) -> list[tuple[Hashable, Any]]:
-        """Return (position or name, array or None) pairs, in order."""
-        labels = self._keys if self._keys is not None else range(len(self._values))
-        return list(zip(labels, self._values))
-
-    def __len__(self) -> int:
-        return len(self._values)
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._values)
-
-    def __repr__(self) -> str:
-        kind = "names" if self._keys is not None else "positions"
-        return f"GradientSet({len(self._values)} entries by {kind}, {len(self._batch.arrays)} arrays)"
+    backend: types.ModuleType | None
+    footprints: tuple[Footprint, ...]
+    plan: Any
+    cacheable: bool
 
 
 def describe(label: Hashable) -> str:
     """Name a gradient for a message: ``gradient #3`` or ``gradient 'fc1.W'``."""
-    return f"gradient #{label}" if isinstance(label, int) else f"gradient {label!r}"
+    return f"gradient #{label}" if type(label) is int else f"gradient {label!r}"
 
 
-def collect_loss(loss: Any) -> tuple[ArrayBackend, Any]:
+def _cupy_backend() -> types.ModuleType | None:
+    try:
+        from cupy_amp import cupy_backend
+    except ImportError:  # no CuPy: the NumPy path works without it
+        return None
+    return cupy_backend
+
+
+def _backend_of(obj: Any) -> tuple[types.ModuleType, Any] | None:
+    """Return the backend module for ``obj`` and ``obj`` as that backend's array, or None."""
+    if type(obj) is np.ndarray:
+        return numpy_backend, obj
+    if isinstance(obj, np.ndarray):
+        # A subclass (a masked array, a matrix) is judged and unscaled on its data, never
+        # through its own arithmetic.
+        return numpy_backend, obj.view(np.ndarray)
+    module = type(obj).__module__ or ""
+    gpu_like = (
+        module.startswith("cupy")
+        or hasattr(obj, "__cuda_array_interface__")
+        or (hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"))
+    )
+    backend = _cupy_backend() if gpu_like else None
+    if backend is None:
+        return None
+    array = backend.as_array(obj)
+    return None if array is None else (backend, array)
+
+
+def _problem(backend: types.ModuleType, array: Any, source: Any) -> tuple[type[Exception], str] | None:
+    """Return (error class, reason) if ``array`` (made from ``source``) cannot be modified in place, else None."""
+    if array.dtype not in FLOAT_DTYPES:
+        return GradientTypeError, f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
+    problem = backend.write_problem(array, source)
+    if problem is not None:
+        return GradientValueError, problem
+    if _repeats_elements(array.shape, array.strides, array.itemsize):
+        return GradientValueError, (
+            f"its elements overlap in memory (shape {array.shape}, strides {array.strides}, as from broadcasting "
+            "or as_strided), so some would be multiplied twice"
+        )
+    return None
+
+
+def _repeats_elements(shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int) -> bool:
+    """Return True unless the layout provably gives every element bytes of its own.
+
+    Dimensions sorted by stride must each step over everything the smaller
+    ones span. Every layout made by slicing, transposing or reshaping a
+    contiguous array passes; a layout that fails may still be disjoint (an
+    exotic ``as_strided``), and is refused all the same.
+    """
+    if 0 in shape:
+        return False
+    span = itemsize
+    for stride, extent in sorted((abs(stride), extent) for extent, stride in zip(shape, strides) if extent > 1):
+        if stride < span:
+            return True
+        span += stride * (extent - 1)
+    return False
+
+
+def _footprint(backend: types.ModuleType, array: Any) -> Footprint:
+    address, device = backend.location(array)
+    start = stop = address
+    if array.size:
+        for extent, stride in zip(array.shape, array.strides):
+            if stride < 0:
+                start += (extent - 1) * stride
+            else:
+                stop += (extent - 1) * stride
+        stop += array.itemsize
+    return Footprint(start, stop, address, array.shape, array.strides, array.itemsize, device)
+
+
+def _shares_memory(first: Footprint, second: Footprint) -> bool:
+    """Return True if two footprints (whose extents overlap) may share a byte."""
+    try:
+        return bool(np.shares_memory(_Layout(first).view(), _Layout(second).view(), max_work=10_000))  # type: ignore[arg-type]
+    except np.exceptions.TooHardError:
+        return True  # cannot prove them disjoint: treat as shared
+
+
+class _Layout:
+    """A footprint as NumPy's array interface, so NumPy can solve overlaps on addresses it never reads."""
+
+    def __init__(self, footprint: Footprint) -> None:
+        self.__array_interface__ = {
+            "data": (footprint.address, False),
+            "shape": footprint.shape,
+            "strides": footprint.strides,
+            "typestr": f"|V{footprint.itemsize}",
+            "version": 3,
+        }
+
+    def view(self) -> np.ndarray:
+        return np.asarray(self)
+
+
+def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
     """Return the backend and array for a loss, or raise if it cannot be scaled in place."""
-    found = backend_for(loss)
+    found = _backend_of(loss)
     if found is None:
         raise GradientTypeError(
             f"scale_loss expected a NumPy or CuPy float array (it scales in place; a 0-d array is fine), "
             f"got {type(loss).__name__}."
         )
     backend, array = found
-    problem = backend.dtype_problem(array) or backend.write_problem(array)
+    problem = _problem(backend, array, loss)
     if problem is not None:
-        error = GradientTypeError if backend.dtype_problem(array) else GradientValueError
-        raise error(f"scale_loss cannot scale this loss in place: {problem}.")
+        error, reason = problem
+        raise error(f"scale_loss cannot scale this loss in place: {reason}.")
     return backend, array
 
 
-def collect_gradients(gradients: Any) -> GradientBatch:
-    """Validate the ``gradients`` argument of ``unscale_and_check``.
+def parse_gradients(gradients: Any, cache: CallCache | None = None, *, one_device: bool = False) -> Call:
+    """Validate the ``gradients`` argument of ``unscale_and_check`` and prepare its run.
 
     Accepts an iterable of arrays (``None`` entries skipped, their positions
-    still counted) or a mapping name -> array.
+    still counted), a mapping name -> array, or a :class:`GradientSet`. A call
+    whose arrays cannot change layout in place is looked up in, and stored
+    into, ``cache``; every other call is validated in full.
 
     Raises:
         GradientTypeError: Not an iterable/mapping, an entry that is not a
             supported float array, or NumPy and CuPy arrays mixed in one call.
-        GradientValueError: A read-only array.
+        GradientValueError: A read-only, misaligned or self-overlapping array,
+            or (with ``one_device``) arrays on several devices.
         DuplicateGradientError: Two entries share memory.
     """
-    entries = _entries(gradients)
+    call = gradients._call if type(gradients) is GradientSet else None
+    if call is None or not call.cacheable:
+        call = cache.lookup(gradients) if cache is not None else None
+    if call is None:
+        call = _parse(gradients)
+        if cache is not None and call.cacheable:
+            cache.store(gradients, call)
+    if one_device and len({footprint.device for footprint in call.footprints}) > 1:
+        devices = sorted({footprint.device for footprint in call.footprints})
+        raise GradientValueError(
+            f"With a communicator, every gradient of a call must be on one device (the communicator's); "
+            f"got devices {devices}."
+        )
+    return call
+
+
+def _parse(gradients: Any) -> Call:
     labels: list[Hashable] = []
     arrays: list[Any] = []
-    backend: ArrayBackend | None = None
+    backend: types.ModuleType | None = None
     first_label: Hashable = None
     native = True
-    for label, entry in entries:
+    for label, entry in _entries(gradients):
         if entry is None:
             continue
-        found = backend_for(entry)
+        found = _backend_of(entry)
         if found is None:
             raise GradientTypeError(
                 f"{describe(label)}: expected a NumPy or CuPy float array, got {type(entry).__name__}."
@@ -148,71 +235,45 @@ def collect_gradients(gradients: Any) -> GradientBatch:
             backend, first_label = entry_backend, label
         elif entry_backend is not backend:
             raise GradientTypeError(
-                f"{describe(label)} is a {entry_backend.name} array but {describe(first_label)} is a "
-                f"{backend.name} array; pass arrays of one kind per unscale_and_check call."
+                f"{describe(label)} is a {entry_backend.NAME} array but {describe(first_label)} is a "
+                f"{backend.NAME} array; pass arrays of one kind per unscale_and_check call."
             )
-        problem = entry_backend.dtype_problem(array)
+        problem = _problem(entry_backend, array, entry)
         if problem is not None:
-            raise GradientTypeError(f"{describe(label)}: {problem}.")
-        problem = entry_backend.write_problem(array)
-        if problem is not None:
-            raise GradientValueError(f"{describe(label)} cannot be unscaled in place: {problem}.")
+            error, reason = problem
+            where = ":" if error is GradientTypeError else " cannot be unscaled in place:"
+            raise error(f"{describe(label)}{where} {reason}.")
         labels.append(label)
         arrays.append(array)
         native = native and array is entry
-    return GradientBatch(tuple(labels), tuple(arrays), backend, native)
+    if backend is None:
+        return Call((), (), None, (), None, False)
+    footprints = tuple(_footprint(backend, array) for array in arrays)
+    _check_disjoint(labels, footprints)
+    plan = backend.prepare(arrays)
+    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, native and backend.LAYOUT_FIXED)
 
 
-def check_disjoint(batches: Sequence[GradientBatch]) -> None:
-    """Check that no element is claimed twice by the batches of one step.
-
-    The last batch is the new call; earlier batches were checked before, so
-    only pairs involving the new one are examined. Extents are compared after
-    sorting and only overlapping extents are checked element by element, so
-    the usual disjoint case costs a sort.
-
-    Raises:
-        DuplicateGradientError: Two arrays of the new batch share memory, or one
-            of them shares memory with an array an earlier call of this step unscaled.
-    """
-    new_call = len(batches) - 1
-    claims = []
-    for call, batch in enumerate(batches):
-        if batch.backend is None:
-            continue
-        for label, array in zip(batch.labels, batch.arrays):
-            domain, start, stop = batch.backend.memory_extent(array)
-            if stop > start:
-                claims.append(_Claim(domain, start, stop, call, label, array))
-    claims.sort(key=lambda claim: (repr(claim.domain), claim.start))
-    active: list[_Claim] = []
-    backend = batches[-1].backend
-    for claim in claims:
-        active = [other for other in active if other.domain == claim.domain and other.stop > claim.start]
-        for other in active:
-            if backend is not None and new_call in (other.call, claim.call):
-                _raise_if_shared(backend, other, claim, new_call)
-        active.append(claim)
-
-
-def _raise_if_shared(backend: ArrayBackend, first: _Claim, second: _Claim, new_call: int) -> None:
-    if not backend.shares_memory(first.array, second.array):
-        return
-    if first.call == second.call:
-        raise DuplicateGradientError(
-            f"{describe(first.label)} and {describe(second.label)} share memory: unscaling both would divide "
-            f"the shared elements twice. Pass each gradient once."
-        )
-    old, new = (first, second) if first.call < new_call else (second, first)
-    raise DuplicateGradientError(
-        f"{describe(new.label)} shares memory with {describe(old.label)}, which an earlier unscale_and_check "
-        f"call of this step (call {old.call + 1}) already unscaled; unscaling it again would divide it twice. "
-        f"Call update() to end the step first, or pass each gradient to one call only."
-    )
+def _check_disjoint(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:
+    """Raise if two arrays of one call share memory; only arrays whose extents overlap are solved exactly."""
+    order = sorted(range(len(footprints)), key=lambda i: footprints[i].start)
+    active: list[int] = []
+    for i in order:
+        footprint = footprints[i]
+        active = [j for j in active if footprints[j].stop > footprint.start]
+        for j in active:
+            if _shares_memory(footprints[j], footprint):
+                first, second = sorted((i, j))
+                raise DuplicateGradientError(
+                    f"{describe(labels[first])} and {describe(labels[second])} share memory: unscaling both would "
+                    f"divide the shared elements twice. Pass each gradient once."
+                )
+        if footprint.stop > footprint.start:
+            active.append(i)
 
 
 def _entries(gradients: Any) -> Iterable[tuple[Hashable, Any]]:
-    if isinstance(gradients, GradientSet):
+    if type(gradients) is GradientSet:
         return gradients.entries()
     if isinstance(gradients, Mapping):
         return list(gradients.items())
@@ -232,3 +293,191 @@ def _entries(gradients: Any) -> Iterable[tuple[Hashable, Any]]:
 
 def _is_single_array(obj: Any) -> bool:
     return hasattr(obj, "__array_interface__") or hasattr(obj, "__cuda_array_interface__") or hasattr(obj, "dtype")
+
+
+class GradientSet:
+    """A fixed, validated collection of gradient arrays, recognised in O(1) every step.
+
+    ``unscale_and_check`` accepts plain lists, tuples and dicts and recognises
+    them when the same CuPy arrays come back (a scan over the entries).
+    Wrapping the gradients once in a ``GradientSet`` (a list, tuple or mapping
+    name -> array; ``None`` entries allowed) removes even that scan: the set is
+    immutable, and CuPy arrays cannot change their memory layout in place, so
+    passing the same set again needs no per-gradient work on the host. NumPy
+    arrays can (their strides, dtype and writability are settable), so a set
+    of NumPy arrays is validated again on every call. Useful with thousands of
+    gradient arrays that live as long as the model.
+
+    The set holds its arrays; it is validated on construction with the same
+    rules as ``unscale_and_check``.
+    """
+
+    __slots__ = ("__weakref__", "_call", "_keys", "_values")
+
+    def __init__(self, gradients: Any) -> None:
+        if isinstance(gradients, Mapping):
+            self._keys: tuple[Hashable, ...] | None = tuple(gradients)
+            self._values: tuple[Any, ...] = tuple(gradients.values())
+        else:
+            self._keys = None
+            self._values = tuple(value for _, value in _entries(gradients))
+        self._call: Call | None = None
+        self._call = _parse(self)
+
+    def entries(self) -> list[tuple[Hashable, Any]]:
+        """Return (position or name, array or None) pairs, in order."""
+        labels = self._keys if self._keys is not None else range(len(self._values))
+        return list(zip(labels, self._values))
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._values)
+
+    def __repr__(self) -> str:
+        kind = "names" if self._keys is not None else "positions"
+        arrays = sum(value is not None for value in self._values)
+        return f"GradientSet({len(self._values)} entries by {kind}, {arrays} arrays)"
+
+
+def _dead() -> None:
+    return None
+
+
+class _Remembered(NamedTuple):
+    refs: tuple[Any, ...]  # weak references to the entries (a function returning None for a None entry)
+    alive: list[bool]  # set to [False] by a callback when any entry dies, before its id can be reused
+    has_none: bool
+    call: Call  # with no arrays: the cache never keeps a gradient alive
+
+
+class CallCache:
+    """The few most recent list, tuple or dict arguments (one per optimizer, say) and their calls.
+
+    An argument is recognised when every entry is the very same object as
+    before, in the same order; a dict's keys are read afresh, so renamed
+    entries are reported under their new names.
+    """
+
+    def __init__(self, capacity: int = 4) -> None:
+        self._capacity = capacity
+        self._remembered: list[_Remembered] = []
+
+    def lookup(self, gradients: Any) -> Call | None:
+        """Return the call for ``gradients`` if its entries are those of a remembered call, else None."""
+        kind = type(gradients)
+        if kind is list or kind is tuple:
+            keys, values = None, gradients
+        elif kind is dict:
+            keys, values = tuple(gradients), tuple(gradients.values())
+        else:
+            return None
+        for index, known in enumerate(self._remembered):
+            if (
+                known.alive[0]
+                and len(known.refs) == len(values)
+                and all(map(operator.is_, values, [ref() for ref in known.refs]))
+            ):
+                if index:
+                    self._remembered.insert(0, self._remembered.pop(index))
+                arrays = tuple(v for v in values if v is not None) if known.has_none else tuple(values)
+                labels = known.call.labels
+                if keys is not None:
+                    labels = tuple(key for key, value in zip(keys, values) if value is not None)
+                return known.call._replace(labels=labels, arrays=arrays)
+        return None
+
+    def store(self, gradients: Any, call: Call) -> None:
+        """Remember ``call`` for ``gradients`` (a list, tuple or dict; anything else is not remembered)."""
+        kind = type(gradients)
+        if kind is not list and kind is not tuple and kind is not dict:
+            return
+        values = tuple(gradients.values()) if kind is dict else tuple(gradients)
+        alive = [True]
+
+        def entry_died(_: object) -> None:
+            alive[0] = False
+
+        refs = tuple(_dead if value is None else weakref.ref(value, entry_died) for value in values)
+        remembered = _Remembered(refs, alive, any(value is None for value in values), call._replace(arrays=()))
+        self._remembered.insert(0, remembered)
+        del self._remembered[self._capacity :]
+
+    def clear(self) -> None:
+        """Forget every remembered call."""
+        self._remembered.clear()
+
+
+class _Claim(NamedTuple):
+    footprint: Footprint
+    label: Hashable
+    call: int
+
+
+class StepClaims:
+    """The memory every ``unscale_and_check`` call of the open step unscaled, to refuse unscaling it twice.
+
+    Holds the calls' arrays, so that no memory they cover is freed and reused
+    by a new array while the step is open. The first call is kept as it is
+    (the usual step has one); from the second on, claims are indexed by
+    address in disjoint blocks, so each further call costs a few bisections
+    per array, however many calls the step has.
+    """
+
+    def __init__(self) -> None:
+        self._calls: list[Call] = []
+        self._starts: list[int] = []  # block starts, sorted
+        self._blocks: list[tuple[int, list[_Claim]]] = []  # (block stop, claims inside)
+
+    def __len__(self) -> int:
+        return len(self._calls)
+
+    def claim(self, call: Call) -> None:
+        """Record ``call``'s memory for this step.
+
+        Raises:
+            DuplicateGradientError: An array of ``call`` shares memory with one an
+                earlier call of this step unscaled; nothing is recorded then.
+        """
+        if self._calls:
+            if len(self._calls) == 1:
+                self._index(self._calls[0], 0)
+            self._check(call)
+            self._index(call, len(self._calls))
+        self._calls.append(call)
+
+    def _check(self, call: Call) -> None:
+        for label, footprint in zip(call.labels, call.footprints):
+            first = max(bisect.bisect_right(self._starts, footprint.start) - 1, 0)
+            last = bisect.bisect_left(self._starts, footprint.stop)
+            for stop, claims in self._blocks[first:last]:
+                if stop <= footprint.start:
+                    continue
+                for old in claims:
+                    overlapping = old.footprint.stop > footprint.start and old.footprint.start < footprint.stop
+                    if overlapping and _shares_memory(old.footprint, footprint):
+                        raise DuplicateGradientError(
+                            f"{describe(label)} shares memory with {describe(old.label)}, which an earlier "
+                            f"unscale_and_check call of this step (call {old.call + 1}) already unscaled; "
+                            f"unscaling it again would divide it twice. Call update() to end the step first, "
+                            f"or pass each gradient to one call only."
+                        )
+
+    def _index(self, call: Call, number: int) -> None:
+        for label, footprint in zip(call.labels, call.footprints):
+            if footprint.stop <= footprint.start:
+                continue
+            start, stop = footprint.start, footprint.stop
+            first = max(bisect.bisect_right(self._starts, start) - 1, 0)
+            if first < len(self._blocks) and self._blocks[first][0] <= start:
+                first += 1
+            last = bisect.bisect_left(self._starts, stop)
+            claims = [_Claim(footprint, label, number)]
+            if first < last:  # merge every block the new extent touches into one
+                start = min(start, self._starts[first])
+                stop = max(stop, max(block_stop for block_stop, _ in self._blocks[first:last]))
+                for _, merged in self._blocks[first:last]:
+                    claims += merged
+            self._starts[first:last] = [start]
+            self._blocks[first:last] = [(stop, claims)]

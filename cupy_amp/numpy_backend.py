@@ -2,103 +2,76 @@
 
 float16 and float32 arrays are multiplied in float32 and rounded back to
 their dtype; float64 arrays in float64. Overflow means any inf/nan in the
-input, checked before unscaling.
+input, checked before unscaling. Nothing here is asynchronous.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from cupy_amp.array_backend import byte_extent, register_array_type
+from cupy_amp.distributed import OverflowVote, host_answer
 
-__all__ = ["NUMPY_BACKEND", "SUPPORTED_NUMPY_DTYPES", "NumpyBackend", "NumpyOverflowCheck", "NumpyUnscalePlan"]
+__all__ = ["LAYOUT_FIXED", "NAME", "location", "prepare", "scale_loss", "unscale", "write_problem"]
 
-SUPPORTED_NUMPY_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
-
-
-@dataclass(frozen=True)
-class NumpyOverflowCheck:
-    """Per-array overflow flags, computed eagerly on the host, and the agreed verdict."""
-
-    flags: tuple[bool, ...]
-    overflow: bool
-
-    def found_overflow(self) -> bool:
-        """Return the verdict (already known: never synchronizes)."""
-        return self.overflow
-
-    def local_overflow(self) -> bool:
-        """Return True if any of this process's arrays held inf/nan."""
-        return any(self.flags)
-
-    def nonfinite_positions(self) -> list[int]:
-        """Return the positions of the arrays that held inf/nan."""
-        return [position for position, flag in enumerate(self.flags) if flag]
+NAME = "numpy"
+# NumPy lets an array's strides, dtype and writability change in place: validate on every call.
+LAYOUT_FIXED = False
 
 
-class NumpyBackend:
-    """Array operations on ``numpy.ndarray``."""
-
-    name = "numpy"
-
-    def coerce(self, obj: Any) -> np.ndarray | None:
-        return obj if isinstance(obj, np.ndarray) else None
-
-    def dtype_problem(self, array: np.ndarray) -> str | None:
-        if array.dtype in SUPPORTED_NUMPY_DTYPES:
-            return None
-        return f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
-
-    def write_problem(self, array: np.ndarray) -> str | None:
-        return None if array.flags.writeable else "the array is read-only"
-
-    def memory_extent(self, array: np.ndarray) -> tuple[Hashable, int, int]:
-        start = array.__array_interface__["data"][0]
-        return "host", *byte_extent(start, array.shape, array.strides, array.itemsize)
-
-    def shares_memory(self, first: np.ndarray, second: np.ndarray) -> bool:
-        try:
-            return bool(np.shares_memory(first, second, max_work=10_000))  # type: ignore[arg-type]
-        except np.exceptions.TooHardError:
-            return True  # cannot prove them disjoint: treat as aliased
-
-    def scale_in_place(self, loss: np.ndarray, scale: np.float32) -> None:
-        _multiply_in_place(loss, scale)
-
-    def prepare(self, arrays: Sequence[np.ndarray]) -> NumpyUnscalePlan:
-        return NumpyUnscalePlan(tuple(array.dtype for array in arrays))
+def write_problem(array: np.ndarray, source: Any) -> str | None:
+    """Return why ``array`` cannot be written in place, or None."""
+    return None if array.flags.writeable else "the array is read-only"
 
 
-@dataclass(frozen=True)
-class NumpyUnscalePlan:
-    """NumPy needs no preparation; on reuse the plan re-checks what NumPy lets change in place."""
-
-    dtypes: tuple[np.dtype, ...]
-
-    def still_valid(self, arrays: Sequence[np.ndarray]) -> bool:
-        return all(array.flags.writeable for array in arrays) and self.dtypes == tuple(a.dtype for a in arrays)
-
-    def run(self, arrays: Sequence[np.ndarray], inv_scale: np.float32, vote: Any = None) -> NumpyOverflowCheck:
-        flags = []
-        for array in arrays:
-            flags.append(not bool(np.isfinite(array).all()))
-            _multiply_in_place(array, inv_scale)
-        local = any(flags)
-        return NumpyOverflowCheck(tuple(flags), vote.host_vote(local) if vote is not None else local)
+def location(array: np.ndarray) -> tuple[int, int]:
+    """Return (address of element [0, ..., 0], device): the host is device -1."""
+    return array.__array_interface__["data"][0], -1
 
 
-def _multiply_in_place(array: np.ndarray, factor: np.float32) -> None:
-    # Over/underflow and inf*0 are expected results here, not warnings.
+def prepare(arrays: Sequence[np.ndarray]) -> None:
+    """NumPy needs no preparation."""
+    return None
+
+
+def scale_loss(loss: np.ndarray, factor: np.float32) -> None:
+    """Multiply ``loss`` by ``factor`` in place."""
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        if array.dtype == np.float64:
-            np.multiply(array, np.float64(factor), out=array)
-        else:
-            np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
+        _multiply(loss, factor)
 
 
-NUMPY_BACKEND = NumpyBackend()
-register_array_type(np.ndarray, NUMPY_BACKEND)
+def unscale(plan: None, arrays: Sequence[np.ndarray], inverse: np.float32, voting: bool) -> Unscaled:
+    """Check every array for inf/nan, then multiply it by ``inverse`` in place, one array at a time."""
+    culprits = []
+    # Over/underflow and inf * 0 are expected results here, not warnings.
+    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+        for position, array in enumerate(arrays):
+            if not np.isfinite(array).all():
+                culprits.append(position)
+            _multiply(array, inverse)
+    return Unscaled(tuple(culprits))
+
+
+class Unscaled:
+    """The outcome of one call, already known: voting is the only step left."""
+
+    def __init__(self, culprits: tuple[int, ...]) -> None:
+        self._culprits = culprits
+        self._agreed: bool | None = None
+
+    def vote(self, vote: OverflowVote) -> None:
+        """Combine this rank's flag with every other rank's (a synchronizing collective)."""
+        self._agreed = host_answer(vote, bool(self._culprits))
+
+    def result(self) -> tuple[bool, bool | None, tuple[int, ...]]:
+        """Return (this rank's overflow, the ranks' verdict or None without a vote, culprit positions)."""
+        return bool(self._culprits), self._agreed, self._culprits
+
+
+def _multiply(array: np.ndarray, factor: np.float32) -> None:
+    if array.dtype == np.float64:
+        np.multiply(array, np.float64(factor), out=array)
+    else:
+        np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")

@@ -1,61 +1,107 @@
-"""GradScaler: the loss scaler a training loop talks to."""
+"""GradScaler: the loss scaler a training loop talks to, and GradScalerStats, its snapshot."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable
+from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from cupy_amp.array_backend import OverflowCheck, UnscalePlan
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.config import DEFAULT_INIT_SCALE, ScalerConfig, validate_scale_in_clamps
-from cupy_amp.distributed import overflow_vote_for
+from cupy_amp.distributed import OverflowVote, host_answer, overflow_vote_for, vote_after_failure
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
-from cupy_amp.gradient_cache import PreparedCallCache
-from cupy_amp.gradients import GradientBatch, GradientSet, check_disjoint, collect_gradients, collect_loss
-from cupy_amp.stats import GradScalerStats
-from cupy_amp.update_rule import ScalerState, inverse_scale, next_state
-from cupy_amp.validation import expect_bool, expect_float32
+from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
+from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_scale, inverse_scale, next_state
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "GradScalerStats"]
+
+# Where a step stands: no step open; the loss was scaled; gradients were unscaled (update() is next).
+_IDLE, _SCALED, _CHECKED = "idle", "scaled", "checked"
 
 
-class _CheckedCall(NamedTuple):
+@dataclass(frozen=True)
+class GradScalerStats:
+    """The scaler's state at the moment :meth:`GradScaler.stats` was called.
+
+    Attributes:
+        scale: The stored loss scale (also while the scaler is disabled).
+        consecutive_good_steps: Clean steps in a row since the last growth or overflow.
+        hysteresis_tracker: Overflows still tolerated before the next backoff.
+        enabled: Whether scaling is on.
+        steps: ``update()`` calls made while enabled, skipped or not.
+        skipped_steps: Of those, the steps whose gradients overflowed.
+        growths: Times the scale grew.
+        backoffs: Times the scale shrank.
+        remote_skipped_steps: Skipped steps whose overflow was on another rank only
+            (this process's gradients were finite); always 0 without a communicator.
+        last_overflow: Where the current (or last) step's overflow was: "none",
+            "local" (this process's gradients) or "remote" (another rank's only).
+    """
+
+    scale: float
+    consecutive_good_steps: int
+    hysteresis_tracker: int
+    enabled: bool
+    steps: int
+    skipped_steps: int
+    growths: int
+    backoffs: int
+    remote_skipped_steps: int
+    last_overflow: str
+
+    def to_dict(self) -> dict[str, float | int | bool | str]:
+        """Return the fields as a plain dict (for loggers such as TensorBoard or W&B)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        # One line, field=value with the field names; nine significant digits name every float32 exactly.
+        fields = " ".join(f"{name}={value}" for name, value in asdict(self).items() if name != "scale")
+        return f"scale={self.scale:.9g} {fields}"
+
+
+class _Record(NamedTuple):
     """One ``unscale_and_check`` call of a step, kept to answer ``nonfinite_gradients``."""
 
     labels: tuple[Hashable, ...]
-    check: OverflowCheck | None
-    local_overflow: bool
+    culprits: tuple[int, ...]  # positions in the call's arrays; empty when clean or when the call failed
 
 
 class GradScaler:
     """Dynamic loss scaler with PyTorch-exact numerics for NumPy and CuPy arrays.
 
-    A step is: ``scale_loss(loss)``, the backward pass, one or more
-    ``unscale_and_check(gradients)`` calls (on disjoint gradient sets), the
-    optimizer step if they all returned True, then ``update()``.
+    A step is: ``scale_loss(loss)`` (once per loss; a step is open from the
+    first call), the backward pass, one or more ``unscale_and_check(gradients)``
+    calls on disjoint gradients, the optimizer step if they all returned True,
+    then ``update()``. Calls on one scaler from several threads are serialized.
 
     The update rule (``scale`` is float32; products are rounded to float32)::
 
-        on overflow:  growth_tracker = 0
+        on overflow:  consecutive_good_steps = 0
                       hysteresis_tracker = max(hysteresis_tracker - 1, 0)
-                      if hysteresis_tracker == 0: scale = max(scale * backoff_factor, min_scale)
-        clean step:   growth_tracker += 1
-                      if growth_tracker >= growth_interval:
+                      if hysteresis_tracker == 0:
+                          scale = max(scale * backoff_factor, min_scale or SMALLEST_SCALE)
+        clean step:   consecutive_good_steps += 1
+                      if consecutive_good_steps >= growth_interval:
                           scale = min(scale * growth_factor, max_scale)   # kept only if finite
-                          growth_tracker = 0; hysteresis_tracker = hysteresis
+                          consecutive_good_steps = 0; hysteresis_tracker = hysteresis
 
     With ``min_scale=None``, ``max_scale=None`` and ``hysteresis=1`` the scale
-    follows ``torch.amp.GradScaler`` exactly.
+    follows ``torch.amp.GradScaler`` exactly, as long as PyTorch's stays at or
+    above :data:`~cupy_amp.rule.SMALLEST_SCALE` (about 2**-128): below it the
+    inverse scale overflows float32 and PyTorch's unscaled gradients become
+    inf; this scaler's scale stops there instead.
 
     Args:
-        init_scale: Starting scale, finite and > 0, rounded to float32, inside the clamps.
+        init_scale: Starting scale, rounded to float32, from SMALLEST_SCALE to float32's
+            maximum, inside the clamps.
         growth_factor: Finite, > 1.
         backoff_factor: Strictly between 0 and 1.
         growth_interval: Clean steps in a row before growing, an int >= 1.
-        enabled: When False every call is a no-op and ``scale_factor()`` is 1.0.
-        min_scale: Floor after a backoff (float32, > 0), or None for none.
+        enabled: When False every call is a no-op (arguments are still validated)
+            and ``scale_factor()`` is 1.0.
+        min_scale: Floor after a backoff (float32, >= SMALLEST_SCALE), or None for none.
         max_scale: Ceiling after a growth (float32, >= min_scale), or None for none.
         hysteresis: Overflowing steps before a backoff, an int >= 1 (refilled on growth).
         comm: For multi-process training: a CuPy NCCL communicator
@@ -64,8 +110,8 @@ class GradScaler:
             ``unscale_and_check`` then all-reduces the overflow flag (MAX) before
             reading it, so all ranks skip and adapt together. Every rank must make
             the same calls and agree on ``enabled`` (a rank without gradients
-            passes an empty list); a call rejected on one rank still votes
-            "overflow", so the other ranks skip that step instead of hanging.
+            passes an empty list); a call that fails on one rank, whatever the
+            reason, still votes "overflow", so every rank skips that step.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -73,7 +119,7 @@ class GradScaler:
 
     def __init__(
         self,
-        init_scale: float = DEFAULT_INIT_SCALE,
+        init_scale: float = 65536.0,
         growth_factor: float = 2.0,
         backoff_factor: float = 0.5,
         growth_interval: int = 2000,
@@ -83,47 +129,30 @@ class GradScaler:
         hysteresis: int = 1,
         comm: Any = None,
     ) -> None:
-        config = ScalerConfig(
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-            min_scale=min_scale,
-            max_scale=max_scale,
-            hysteresis=hysteresis,
-        )
-        scale = expect_float32(ConfigError, "init_scale", init_scale)
-        validate_scale_in_clamps(config, scale, "init_scale")
+        config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
+        scale = expect_scale(ConfigError, "init_scale", init_scale)
+        config.check_scale(scale, "init_scale")
         self._config = config
-        self._state = ScalerState(scale=scale, growth_tracker=0, hysteresis_tracker=config.hysteresis)
+        self._state = ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
         self._enabled = expect_bool(ConfigError, "enabled", enabled)
-        self._vote = overflow_vote_for(comm)
+        self._vote: OverflowVote | None = overflow_vote_for(comm)
+        self._lock = threading.Lock()
+        self._phase = _IDLE
+        # The open step's claims on gradient memory (None outside the unscaling part of a step).
+        self._claims: StepClaims | None = None
+        # The current step's calls, or the last step's once update() closed it.
+        self._records: list[_Record] = []
         self._found_overflow = False
         self._found_overflow_local = False
-        self._step_open = False
-        # The current step's calls, or the last step's once update() closed it.
-        self._calls: list[_CheckedCall] = []
-        # The open step's gradient batches, to refuse unscaling any memory twice in a step.
-        self._step_batches: list[GradientBatch] = []
         # Gradient arguments seen before, so a repeated list skips validation and setup.
-        self._prepared = PreparedCallCache()
-        # The state a clean update() moves to, computed when the step opens (while the kernels run).
-        self._clean_successor: ScalerState | None = None
-        # Both factors are needed on every step: cached with the scale they were made from.
-        self._factors_of: float | None = None
-        self._scale32: np.float32 = np.float32(1.0)
-        self._inverse: np.float32 = inverse_scale(1.0)
+        self._cache = CallCache()
 
     @classmethod
     def with_params(
         cls, init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int
     ) -> GradScaler:
         """Build a scaler from the four classic parameters; the rest keep their defaults."""
-        return cls(
-            init_scale=init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=growth_interval,
-        )
+        return cls(init_scale, growth_factor, backoff_factor, growth_interval)
 
     @property
     def config(self) -> ScalerConfig:
@@ -138,111 +167,120 @@ class GradScaler:
         return self._state.scale if self._enabled else 1.0
 
     def scale_loss(self, loss: Any) -> None:
-        """Multiply ``loss`` by the scale in place, allocating no new array.
+        """Multiply ``loss`` by the scale in place, allocating no new array; this opens a step.
 
         float16/float32 losses are multiplied in float32 and rounded back (an
         fp16 loss can become inf: the step will then show an overflow);
-        float64 losses in float64. The argument is validated even while
+        float64 losses in float64. Call it once per loss (several times per
+        step with gradient accumulation). The argument is validated even while
         disabled; disabled, nothing else happens. Never synchronizes the device.
 
         Raises:
             GradientTypeError: ``loss`` is not a NumPy/CuPy float16/32/64 array.
-            GradientValueError: ``loss`` is read-only.
+            GradientValueError: ``loss`` is read-only, misaligned or repeats elements.
+            ScalerProtocolError: The previous step's gradients were unscaled but
+                ``update()`` was not called.
         """
-        backend, array = collect_loss(loss)
-        if self._enabled:
-            backend.scale_in_place(array, self._factors()[0])
+        backend, array = parse_loss(loss)
+        with self._lock:
+            if not self._enabled:
+                return
+            if self._phase == _CHECKED:
+                raise ScalerProtocolError(
+                    "scale_loss() was called after unscale_and_check() without an update() in between: update() "
+                    "was forgotten. Each optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients), "
+                    "optimizer step if it returned True, update(). Without update() the scale never adapts."
+                )
+            self._phase = _SCALED
+            backend.scale_loss(array, np.float32(self._state.scale))
 
     def unscale_and_check(self, gradients: Any) -> bool:
         """Unscale every gradient in place and return True if all were finite.
 
         ``gradients`` is an iterable of arrays (``None`` entries skipped, as
-        parameters without a gradient) or a mapping name -> array. Every
-        gradient is unscaled, overflow or not; overflow means an inf/nan in
-        a gradient *before* unscaling. All validation happens before any
-        array is touched. Several calls per step are allowed on disjoint
-        gradients; the step overflowed if any call found inf/nan.
+        parameters without a gradient), a mapping name -> array, or a
+        :class:`~cupy_amp.GradientSet`. Every gradient is unscaled, overflow or
+        not; overflow means an inf/nan in a gradient *before* unscaling. All
+        validation happens before any array is touched. Several calls per step
+        are allowed on disjoint gradients; the step overflowed if any call
+        found inf/nan.
 
         With CuPy arrays: one fused kernel launch per (device, dtype) on the
-        current stream, then one synchronizing read of a single overflow flag.
-        With NumPy arrays nothing is asynchronous. Disabled: returns True and
-        touches nothing. If waiting for the verdict fails (a device error, an
-        interrupt), the exception propagates and the call still counts, as an
-        overflow: its gradients may already be unscaled, so passing them again
-        in this step is refused, and ``update()`` backs off.
+        current stream, then one synchronizing read of a single overflow flag
+        per device (after an overflow, also of the per-gradient flags). With
+        NumPy arrays nothing is asynchronous. Disabled: validates the argument,
+        returns True and touches nothing. If the call fails once arrays may have
+        been written (a device error, an interrupt, a communicator error), the
+        exception propagates and the call still counts, as an overflow: its
+        gradients are refused if passed again in this step, and ``update()``
+        backs off.
 
         Raises:
             GradientTypeError: Not an iterable/mapping of supported float arrays,
                 or NumPy and CuPy arrays mixed.
-            GradientValueError: A read-only array.
+            GradientValueError: A read-only, misaligned or self-overlapping array;
+                with a communicator, arrays on several devices.
             DuplicateGradientError: Two gradients share memory, or one was
                 already unscaled in this step (also a ``RuntimeError``).
+            CommunicatorError: The communicator failed or answered garbage.
         """
-        if not self._enabled:
-            return True
-        try:
-            batch, plan = self._validated(gradients)
-        except Exception:
-            if self._vote is not None:
-                # The other ranks are waiting in this call's vote: vote "overflow" so they
-                # skip this step instead of hanging, then report the error here.
-                self._vote.host_vote(True)
-            raise
+        with self._lock:
+            if not self._enabled:
+                parse_gradients(gradients)
+                return True
+            vote = self._vote
+            try:
+                call = parse_gradients(gradients, self._cache, one_device=vote is not None)
+                claims = self._claims if self._claims is not None else StepClaims()
+                claims.claim(call)
+            except BaseException as error:
+                if vote is not None:
+                    # The other ranks wait in this call's vote: vote "overflow", so every rank skips this step.
+                    self._record_failure(())
+                    vote_after_failure(vote, error)
+                raise
+            if self._claims is None:  # the step's first call: forget the last step's verdict
+                self._begin_checks()
+                self._claims = claims
+            return self._run(call, vote)
 
-        check = plan.run(batch.arrays, self._factors()[1], self._vote) if plan is not None else None
+    def _begin_checks(self) -> None:
+        self._phase = _CHECKED
+        self._records = []
+        self._found_overflow = self._found_overflow_local = False
 
-        # With CuPy the kernels are running now: do what does not depend on their verdict before waiting,
-        # including the state a clean update() moves to (the usual outcome).
-        if not self._step_open:
-            self._step_open = True
-            self._found_overflow = False
-            self._found_overflow_local = False
-            self._calls = []
-            self._step_batches = []
-            self._clean_successor = next_state(self._config, self._state, False, False)
-        self._step_batches.append(batch)
+    def _record_failure(self, labels: tuple[Hashable, ...]) -> None:
+        if self._phase != _CHECKED:
+            self._begin_checks()
+            self._claims = StepClaims()
+        self._records.append(_Record(labels, ()))
+        self._found_overflow = self._found_overflow_local = True
+
+    def _run(self, call: Call, vote: OverflowVote | None) -> bool:
+        """Unscale a claimed call, vote, and record the verdict; any failure counts as an overflow."""
+        voted = False
         try:
-            if check is not None:
-                overflowed, local = check.found_overflow(), check.local_overflow()
-            else:  # nothing to check here; with a communicator this rank still votes
-                overflowed, local = (self._vote.host_vote(False) if self._vote is not None else False), False
-        except BaseException:
-            # No verdict (a device error, an interrupt), but the kernels may have run: the call counts,
-            # as an overflow, so its gradients are refused if passed again and update() backs off.
-            self._calls.append(_CheckedCall(batch.labels, None, True))
-            self._found_overflow = self._found_overflow_local = True
+            if call.backend is None:  # nothing to unscale; with a communicator this rank still votes
+                voted = vote is not None
+                local, agreed, culprits = False, host_answer(vote, False) if vote is not None else None, ()
+            else:
+                unscaled = call.backend.unscale(
+                    call.plan, call.arrays, inverse_scale(self._state.scale), vote is not None
+                )
+                if vote is not None:
+                    voted = True
+                    unscaled.vote(vote)
+                local, agreed, culprits = unscaled.result()
+        except BaseException as error:
+            self._record_failure(call.labels)
+            if vote is not None and not voted:
+                vote_after_failure(vote, error)
             raise
-        self._calls.append(_CheckedCall(batch.labels, check, local))
-        self._found_overflow = self._found_overflow or overflowed
+        overflow = local or bool(agreed)
+        self._records.append(_Record(call.labels, culprits))
+        self._found_overflow = self._found_overflow or overflow
         self._found_overflow_local = self._found_overflow_local or local
-        return not overflowed
-
-    def _factors(self) -> tuple[np.float32, np.float32]:
-        """Return (scale, inverse scale) as float32, recomputed only when the scale changed."""
-        scale = self._state.scale
-        if self._factors_of != scale:
-            self._factors_of, self._scale32, self._inverse = scale, np.float32(scale), inverse_scale(scale)
-        return self._scale32, self._inverse
-
-    def _validated(self, gradients: Any) -> tuple[GradientBatch, UnscalePlan | None]:
-        """Return the validated batch and the backend's plan for it (reused when seen before)."""
-        known = self._prepared.lookup(gradients)
-        if known is not None:
-            prepared, arrays = known
-            batch = GradientBatch(prepared.labels, arrays, prepared.backend)
-            plan: UnscalePlan | None = prepared.plan
-        else:
-            # A set's members may have changed in place (made read-only, say) since it was
-            # built: validate again on a miss; its disjointness cannot have changed.
-            batch = collect_gradients(gradients)
-            if not isinstance(gradients, GradientSet):
-                check_disjoint([batch])
-            plan = batch.backend.prepare(batch.arrays) if batch.backend is not None and batch.arrays else None
-            if plan is not None:
-                self._prepared.store(gradients, batch, plan)
-        if self._step_open:
-            check_disjoint([*self._step_batches, batch])
-        return batch, plan
+        return not overflow
 
     def update(self) -> None:
         """End the step: back off after an overflow, grow after enough clean steps.
@@ -252,24 +290,19 @@ class GradScaler:
         Raises:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
-        if not self._enabled:
-            return
-        if not self._step_open:
-            raise ScalerProtocolError(
-                "update() was called without an unscale_and_check() since the previous update(). Each optimizer "
-                "step is: scale_loss(loss), backward, unscale_and_check(gradients), optimizer step if it returned "
-                "True, update(). With gradient accumulation, call unscale_and_check() and update() once per "
-                "optimizer step, after the last micro-batch, not once per micro-batch."
-            )
-        # The state and config cannot change while a step is open, so the successor computed when it
-        # opened still holds.
-        if self._found_overflow or self._clean_successor is None:
+        with self._lock:
+            if not self._enabled:
+                return
+            if self._phase != _CHECKED:
+                raise ScalerProtocolError(
+                    "update() was called without an unscale_and_check() since the previous update(). Each "
+                    "optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients), optimizer step if "
+                    "it returned True, update(). With gradient accumulation, call unscale_and_check() and update() "
+                    "once per optimizer step, after the last micro-batch, not once per micro-batch."
+                )
             self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
-        else:
-            self._state = self._clean_successor
-        self._clean_successor = None
-        self._step_open = False
-        self._step_batches = []
+            self._phase = _IDLE
+            self._claims = None
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed.
@@ -286,31 +319,24 @@ class GradScaler:
         For each ``unscale_and_check`` call of the step, in call order, the
         positions of the offending gradients within that call's argument
         (``None`` entries count) or their names when a mapping was passed.
-        Empty when the step was clean. With CuPy arrays, reads the
-        per-gradient flags from the device (a synchronization) only for calls
-        that overflowed.
+        Empty when the step was clean. Never synchronizes the device.
         """
-        culprits: list[Hashable] = []
-        for call in self._calls:
-            if call.local_overflow and call.check is not None:
-                culprits.extend(call.labels[position] for position in call.check.nonfinite_positions())
-        return culprits
+        with self._lock:
+            return [record.labels[position] for record in self._records for position in record.culprits]
 
     def set_enabled(self, enabled: bool) -> None:
         """Turn scaling on or off between steps.
 
         Raises:
             ConfigError: ``enabled`` is not a bool.
-            ScalerProtocolError: Switching while a step is open (after
-                ``unscale_and_check``, before ``update()``).
+            ScalerProtocolError: Switching while a step is open (from ``scale_loss``
+                or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-        if flag != self._enabled and self._step_open:
-            raise ScalerProtocolError(
-                "set_enabled() cannot switch the scaler while a step is open (unscale_and_check() was called and "
-                "update() was not yet); call update() first."
-            )
-        self._enabled = flag
+        with self._lock:
+            if flag != self._enabled:
+                self._require_no_step("set_enabled() cannot switch the scaler")
+            self._enabled = flag
 
     def is_enabled(self) -> bool:
         """Return whether scaling is on."""
@@ -318,19 +344,21 @@ class GradScaler:
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (never synchronizes)."""
-        state = self._state
-        return GradScalerStats(
-            scale=state.scale,
-            consecutive_good_steps=state.growth_tracker,
-            hysteresis_tracker=state.hysteresis_tracker,
-            enabled=self._enabled,
-            steps=state.steps,
-            skipped_steps=state.skipped_steps,
-            growths=state.growths,
-            backoffs=state.backoffs,
-            remote_skipped_steps=state.remote_skipped_steps,
-            last_overflow=("local" if self._found_overflow_local else "remote") if self._found_overflow else "none",
-        )
+        with self._lock:
+            state = self._state
+            last = ("local" if self._found_overflow_local else "remote") if self._found_overflow else "none"
+            return GradScalerStats(
+                scale=state.scale,
+                consecutive_good_steps=state.consecutive_good_steps,
+                hysteresis_tracker=state.hysteresis_tracker,
+                enabled=self._enabled,
+                steps=state.steps,
+                skipped_steps=state.skipped_steps,
+                growths=state.growths,
+                backoffs=state.backoffs,
+                remote_skipped_steps=state.remote_skipped_steps,
+                last_overflow=last,
+            )
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit (never synchronizes).
@@ -338,43 +366,44 @@ class GradScaler:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        if self._step_open:
-            raise ScalerProtocolError(
-                "checkpoint() was called in the middle of a step (after unscale_and_check(), before update()); "
-                "such a state cannot be resumed exactly. Call update() first."
+        with self._lock:
+            self._require_no_step("checkpoint() cannot capture a resumable state")
+            return GradScalerCheckpoint.capture(
+                self._config,
+                self._state,
+                enabled=self._enabled,
+                found_overflow=self._found_overflow,
+                found_overflow_local=self._found_overflow_local,
             )
-        return GradScalerCheckpoint.capture(
-            self._config,
-            self._state,
-            enabled=self._enabled,
-            found_overflow=self._found_overflow,
-            found_overflow_local=self._found_overflow_local,
-        )
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's.
 
         Raises:
             ArgumentTypeError: ``checkpoint`` is not a GradScalerCheckpoint.
-            ScalerProtocolError: A step is open.
+            ScalerProtocolError: A step is open (the loss was scaled with the old scale).
         """
         if not isinstance(checkpoint, GradScalerCheckpoint):
             raise ArgumentTypeError(
                 f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
                 f"read files with GradScalerCheckpoint.load(path)."
             )
-        if self._step_open:
+        with self._lock:
+            self._require_no_step("load_checkpoint() cannot replace the state")
+            self._config = checkpoint.config()
+            self._state = checkpoint.state()
+            self._enabled = checkpoint.enabled
+            self._found_overflow = checkpoint.found_overflow
+            self._found_overflow_local = checkpoint.found_overflow_local
+            self._records = []
+
+    def _require_no_step(self, what: str) -> None:
+        if self._phase != _IDLE:
+            done = "scale_loss()" if self._phase == _SCALED else "unscale_and_check()"
             raise ScalerProtocolError(
-                "load_checkpoint() was called in the middle of a step (after unscale_and_check(), before update()); "
-                "call update() first, or load before the step starts."
+                f"{what} in the middle of a step ({done} was called and update() was not yet): the step's loss "
+                f"and gradients use the current scale. Call it before scale_loss() or after update()."
             )
-        self._config = checkpoint.config()
-        self._state = checkpoint.state()
-        self._enabled = checkpoint.enabled
-        self._found_overflow = checkpoint.found_overflow
-        self._found_overflow_local = checkpoint.found_overflow_local
-        self._calls = []
-        self._step_batches = []
 
     def __repr__(self) -> str:
         config = self._config

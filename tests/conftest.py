@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,20 +68,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 @pytest.fixture
-def fresh_kernel_sources(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Start without CUPY_AMP_KERNEL_DIR and with no kernel source cached; leave nothing cached."""
-    import cupy_amp.kernel_sources as kernel_sources
-
-    monkeypatch.delenv("CUPY_AMP_KERNEL_DIR", raising=False)
-    kernel_sources._read_inlined.cache_clear()
-    yield
-    kernel_sources._read_inlined.cache_clear()
-
-
-@pytest.fixture
-def kernel_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A copy of kernels/ that CUPY_AMP_KERNEL_DIR points at, to plant problems in."""
+def kernel_copy(tmp_path: Path) -> Path:
+    """A copy of kernels/ to plant problems in (tools and tests pass the folder explicitly)."""
     copy = tmp_path / "kernels_copy"
     shutil.copytree(Path(__file__).resolve().parent.parent / "kernels", copy)
-    monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(copy))
     return copy

@@ -14,6 +14,8 @@ from typing import Any
 import numpy as np
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The smallest float32 whose float32 inverse is finite: below it, unscaling would make finite gradients inf.
+SMALLEST_SCALE = float.fromhex("0x1.000008p-128")
 
 
 def f32(value: float) -> float:
@@ -100,8 +102,9 @@ class RefScaler:
                 self.hysteresis_tracker -= 1
             if self.hysteresis_tracker == 0:
                 new = f32(old * self.config.backoff_factor)
-                if self.min_scale is not None and new < self.min_scale:
-                    new = self.min_scale
+                floor = SMALLEST_SCALE if self.min_scale is None else self.min_scale
+                if new < floor:
+                    new = floor
                 self.scale = new
                 if new != old:
                     self.backoffs += 1

@@ -9,14 +9,13 @@ from typing import Any
 
 import pytest
 
-import cupy_amp.kernel_sources as kernel_sources
 from cupy_amp.kernel_sources import KERNEL_FILES
 from tools import check_kernels
 
-pytestmark = [pytest.mark.nvrtc, pytest.mark.usefixtures("fresh_kernel_sources")]
+pytestmark = pytest.mark.nvrtc
 
 REPO = Path(__file__).resolve().parent.parent
-HEADER = "cupy_amp_common.cuh"
+HEADER = "common.cuh"
 _REPORTED = re.compile(r"^\s*(?P<path>\S+?):(?P<line>\d+): (?P<kind>error|warning): (?P<text>.*)$", re.MULTILINE)
 
 
@@ -51,7 +50,7 @@ def test_main_on_the_source_kernels_returns_0(capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.parametrize("arch", ["70", "80", "90"])
 def test_compile_options_are_cupys_plus_cupy_amps(arch: str) -> None:
-    from cupy_amp.cuda_kernels import compile_options as runtime_options
+    from cupy_amp.cupy_backend import compile_options as runtime_options
 
     options = check_kernels.compile_options(arch)
     for cupy_adds in ("-ftz=true", "--device-as-default-execution-space", f"-arch=sm_{arch}"):
@@ -90,14 +89,20 @@ def test_compiled_source_is_the_inlined_kernel_source(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(nvrtc, "createProgram", spy)
     check_kernels.compile_kernel("unscale_check.cu", "80")
-    assert sources == [kernel_sources.read_kernel_source("unscale_check.cu")]
+    from cupy_amp.cupy_backend import compile_source, layout_checks
+
+    assert sources == [compile_source("unscale_check.cu")]
+    assert sources[0].startswith('#line 1 "unscale_check.cu"')
+    assert sources[0].endswith(layout_checks())
 
 
 def test_planted_warning_fails_and_points_at_its_line(kernel_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = kernel_copy / "scale_loss.cu"
-    # Into the body of the template cupy_amp_scale_loss (its signature ends on this line).
-    line = insert_line(target, "long long chunk_size, float scale) {", "    int planted_unused_variable = 3;")
-    assert check_kernels.main(["--arch", "80"]) == 1
+    # Into the body of the template scale_loss (its signature ends on this line).
+    line = insert_line(
+        target, "__device__ void scale_loss(const ScaleArgs& args) {", "    int planted_unused_variable = 3;"
+    )
+    assert check_kernels.main(["--arch", "80", "--kernel-dir", str(kernel_copy)]) == 1
     out, err = capsys.readouterr()
     assert "FAILED sm_80 scale_loss.cu" in out
     assert "ok     sm_80 unscale_check.cu" in out
@@ -112,7 +117,7 @@ def test_planted_error_after_the_include_points_at_its_line(
 ) -> None:
     target = kernel_copy / "unscale_check.cu"
     line = insert_line(target, f'#include "{HEADER}"', "int planted_error = planted_undefined_identifier;")
-    assert check_kernels.main(["--arch", "80"]) == 1
+    assert check_kernels.main(["--arch", "80", "--kernel-dir", str(kernel_copy)]) == 1
     out, err = capsys.readouterr()
     assert "FAILED sm_80 unscale_check.cu" in out
     assert "ok     sm_80 scale_loss.cu" in out
@@ -125,9 +130,9 @@ def test_planted_error_in_the_shared_header_points_at_the_header(
     kernel_copy: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     header = kernel_copy / HEADER
-    line = insert_line(header, "typedef unsigned long long cupy_amp_u64;", "planted_unknown_type planted_variable;")
+    line = insert_line(header, "typedef unsigned long long u64;", "planted_unknown_type planted_variable;")
     assert line > 20  # far enough down that a wrong mapping would show
-    assert check_kernels.main(["--arch", "80", "--arch", "90"]) == 1
+    assert check_kernels.main(["--arch", "80", "--arch", "90", "--kernel-dir", str(kernel_copy)]) == 1
     out, err = capsys.readouterr()
     for name, arch in product(KERNEL_FILES, ("80", "90")):
         assert f"FAILED sm_{arch} {name}" in out
@@ -140,9 +145,9 @@ def test_planted_error_in_the_shared_header_points_at_the_header(
 def test_compile_result_carries_the_diagnostics(kernel_copy: Path) -> None:
     target = kernel_copy / "scale_loss.cu"
     line = insert_line(
-        target, "CUPY_AMP_SCALE_LOSS_ENTRY(cupy_amp_scale_loss_float64", 'static_assert(sizeof(int) == 0, "planted");'
+        target, "CUPY_AMP_SCALE_LOSS(cupy_amp_scale_loss_float64", 'static_assert(sizeof(int) == 0, "planted");'
     )
-    result = check_kernels.compile_kernel("scale_loss.cu", "70")
+    result = check_kernels.compile_kernel("scale_loss.cu", "70", kernel_copy)
     assert not result.ok
     assert (result.file, result.arch) == ("scale_loss.cu", "70")
     assert any(d.startswith(f"{target}:{line}: error: ") and "planted" in d for d in result.diagnostics)
@@ -150,7 +155,36 @@ def test_compile_result_carries_the_diagnostics(kernel_copy: Path) -> None:
 
 def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
     target = kernel_copy / "scale_loss.cu"
-    line = insert_line(target, "CUPY_AMP_SCALE_LOSS_ENTRY(cupy_amp_scale_loss_float64", "#error planted stop")
-    result = check_kernels.compile_kernel("scale_loss.cu", "80")
+    line = insert_line(target, "CUPY_AMP_SCALE_LOSS(cupy_amp_scale_loss_float64", "#error planted stop")
+    result = check_kernels.compile_kernel("scale_loss.cu", "80", kernel_copy)
     assert not result.ok
     assert any(d.startswith(f"{target}:{line}: ") and "planted stop" in d for d in result.diagnostics)
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "field"),
+    [
+        # Two fields of one type swapped: the same size, other offsets.
+        (
+            "    long long first;  // dense: 0; strided: the chunk's first element, counted in C order\n"
+            "    long long last;   // one past the chunk's last element (dense: its element count)\n",
+            "    long long last;\n    long long first;\n",
+            "cupy_amp::Chunk::first",
+        ),
+        # A field's type changed to another of the same size.
+        ("    int epoch;", "    float epoch;", "cupy_amp::UnscaleArgs::epoch"),
+        # A field added.
+        ("    float scale;\n};", "    float scale;\n    long long planted;\n};", "cupy_amp::ScaleArgs"),
+    ],
+    ids=["swapped", "retyped", "added"],
+)
+def test_a_struct_that_no_longer_matches_its_numpy_mirror_fails_to_compile(
+    kernel_copy: Path, old: str, new: str, field: str
+) -> None:
+    header = kernel_copy / HEADER
+    text = header.read_text(encoding="utf-8")
+    assert old in text
+    header.write_text(text.replace(old, new), encoding="utf-8")
+    results = check_kernels.check_all(("80",), kernel_copy)
+    assert not any(result.ok for result in results)
+    assert all(any(field in line for line in result.diagnostics) for result in results)

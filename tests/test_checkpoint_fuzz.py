@@ -23,8 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import FORMAT_NAME
+from cupy_amp.checkpoint import FORMAT_NAME, GradScalerCheckpoint
 from cupy_amp.errors import CheckpointCorruptError, CheckpointError
 
 pytestmark = pytest.mark.slow
@@ -60,7 +59,7 @@ V1_FIELDS = {
 }
 SEEDS = [
     GradScalerCheckpoint(**FIELDS).to_bytes(),
-    GradScalerCheckpoint(**{**FIELDS, "scale": 0.0, "min_scale": None, "max_scale": None}).to_bytes(),
+    GradScalerCheckpoint(**{**FIELDS, "scale": 2.0**-127, "min_scale": None, "max_scale": None}).to_bytes(),
     GradScalerCheckpoint(
         **{**FIELDS, "steps": 2**64 - 1, "skipped_steps": 2**63, "backoffs": 2**62, "remote_skipped_steps": 2**63}
     ).to_bytes(),

@@ -13,8 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import FORMAT_NAME, FORMAT_VERSION
+from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, GradScalerCheckpoint
 from cupy_amp.cli import main
 from cupy_amp.errors import CheckpointFieldError
 
@@ -147,8 +146,8 @@ def test_inspect_shows_a_remote_overflow(tmp_path: Path, capsys: pytest.CaptureF
 @pytest.mark.parametrize(
     ("changes", "field", "shown"),
     [
-        ({"scale": 0.0, "min_scale": None}, "scale", "0"),
-        ({"scale": 2.0**-149, "min_scale": None}, "scale", "1.401298464324817e-45 (2**-149)"),
+        ({"scale": 2.0**-127, "min_scale": None}, "scale", "5.877471754111438e-39 (2**-127)"),
+        ({"scale": float.fromhex("0x1.000008p-128"), "min_scale": None}, "scale", "2.938737278354183e-39"),
         ({"scale": 65536.0}, "scale", "65536 (2**16)"),
         ({"scale": 1.2345600128173828}, "scale", "1.2345600128173828"),
         ({"min_scale": None}, "min_scale", "None (no floor)"),
@@ -166,7 +165,7 @@ def test_inspect_shows_scales_readably_and_exactly(
 
 
 def test_inspect_json_round_trips_every_field_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    checkpoint = make(scale=2.0**-149, min_scale=None, max_scale=None, backoff_factor=0.8, steps=2**64 - 1)
+    checkpoint = make(scale=2.0**-127, min_scale=None, max_scale=None, backoff_factor=0.8, steps=2**64 - 1)
     path = tmp_path / "scaler.ckpt"
     checkpoint.save(path)
     assert main(["inspect", "--json", str(path)]) == 0
@@ -246,7 +245,7 @@ def test_validate_reports_each_bad_file_on_stderr(
     assert errors[1] == f"FAIL  checkpoint {str(missing)!r}: cannot read: No such file or directory."
     assert "upgrade cupy-amp" in errors[2]
     assert "Invalid 'growths'" in errors[3]
-    assert errors[4].startswith(f"FAIL  checkpoint {str(tmp_path)!r}: cannot read: ")
+    assert errors[4] == f"FAIL  checkpoint {str(tmp_path)!r}: a directory, not a regular file; refusing to read it."
 
 
 def test_validate_without_files_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

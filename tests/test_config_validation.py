@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from cupy_amp import ConfigError, CupyAmpError, GradScaler
+from cupy_amp.rule import SMALLEST_SCALE
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 NOT_NUMBERS: list[Any] = ["1.0", None, [2.0], b"2", 1 + 0j]
@@ -25,6 +26,9 @@ INVALID: dict[str, list[Any]] = {
         1e39,  # overflows float32
         1e-50,  # rounds to 0 in float32
         1e-46,  # below half the smallest float32 subnormal: rounds to 0
+        2.0**-149,  # a float32, but its float32 inverse is inf
+        2.0**-128,  # the last float32 whose inverse overflows
+        1e-40,
         3.5e38,
         10**400,  # too large even for a float64
         *NON_FINITE,
@@ -33,10 +37,10 @@ INVALID: dict[str, list[Any]] = {
     ],
     "growth_factor": [1.0, 0.5, 0.0, -2.0, 1, 10**400, *NON_FINITE, *BOOLS, *NOT_NUMBERS],
     "backoff_factor": [0.0, -0.0, 1.0, 1, 0, 1.5, -0.5, -(10**400), *NON_FINITE, *BOOLS, *NOT_NUMBERS],
-    "growth_interval": [0, -1, -2000, 1.0, 2.5, 2000.0, np.float64(3), "10", None, Fraction(3), *BOOLS],
-    "hysteresis": [0, -1, 1.0, 2.0, np.float32(2), "1", None, *BOOLS],
-    "min_scale": [0.0, -1.0, 1e39, 1e-50, 10**400, *NON_FINITE, *BOOLS, "1", [1.0]],
-    "max_scale": [0.0, -1.0, 1e39, 1e-50, 10**400, *NON_FINITE, *BOOLS, "1", [1.0]],
+    "growth_interval": [0, -1, -2000, 1.0, 2.5, 2000.0, np.float64(3), "10", None, Fraction(3), 2**64, *BOOLS],
+    "hysteresis": [0, -1, 1.0, 2.0, np.float32(2), "1", None, 2**64, 10**30, *BOOLS],
+    "min_scale": [0.0, -1.0, 1e39, 1e-50, 2.0**-140, 10**400, *NON_FINITE, *BOOLS, "1", [1.0]],
+    "max_scale": [0.0, -1.0, 1e39, 1e-50, 2.0**-140, 10**400, *NON_FINITE, *BOOLS, "1", [1.0]],
     "enabled": [1, 0, 1.0, "True", None, [True]],
 }
 
@@ -44,7 +48,7 @@ INVALID: dict[str, list[Any]] = {
 PERMISSIVE: dict[str, dict[str, Any]] = {
     "init_scale": {"min_scale": None, "max_scale": None},
     "min_scale": {"init_scale": FLOAT32_MAX, "max_scale": None},
-    "max_scale": {"init_scale": 2.0**-149, "min_scale": None},
+    "max_scale": {"init_scale": SMALLEST_SCALE, "min_scale": None},
 }
 
 CASES = [(name, value) for name, values in INVALID.items() for value in values]
@@ -80,14 +84,14 @@ def test_invalid_value_is_refused(name: str, value: Any) -> None:
         {"growth_factor": 3, "backoff_factor": Fraction(1, 3)},
         {"growth_interval": 1},
         {"growth_interval": np.int64(7)},
-        {"growth_interval": 10**30},
+        {"growth_interval": 2**64 - 1},
         {"hysteresis": 1},
         {"hysteresis": np.int32(4)},
         {"init_scale": 1},
         {"init_scale": np.float16(4.0)},
         {"min_scale": None},
         {"max_scale": None},
-        {"min_scale": None, "max_scale": None, "init_scale": 2.0**-149},
+        {"min_scale": None, "max_scale": None, "init_scale": SMALLEST_SCALE},
         {"min_scale": 65536.0, "max_scale": 65536.0},
         {"enabled": False},
         {"enabled": np.bool_(False)},
@@ -148,7 +152,7 @@ def test_set_enabled_requires_a_bool(value: Any) -> None:
 # float32 rounding of the scale and its clamps
 
 
-@pytest.mark.parametrize("value", [0.1, 1.1, 3.3, 65537.1, 1e-40, 2.0**-149 * 1.2, 3.4028235e38])
+@pytest.mark.parametrize("value", [0.1, 1.1, 3.3, 65537.1, 1e-38, SMALLEST_SCALE * 1.0000003, 3.4028235e38])
 def test_init_scale_is_rounded_to_float32(value: float) -> None:
     scaler = GradScaler(init_scale=value, min_scale=None, max_scale=None)
     assert scaler.stats().scale == float(np.float32(value))
@@ -165,13 +169,17 @@ def test_float32_max_is_accepted_and_just_above_it_is_refused() -> None:
             GradScaler(**kwargs)
 
 
-def test_smallest_subnormal_is_accepted_and_half_of_it_is_refused() -> None:
-    tiny = 2.0**-149
-    assert GradScaler(init_scale=tiny, min_scale=None).stats().scale == tiny
-    assert GradScaler(init_scale=tiny, min_scale=tiny).checkpoint().min_scale == tiny
+def test_smallest_scale_with_a_finite_inverse_is_accepted_and_the_next_float32_down_is_refused() -> None:
+    # Below SMALLEST_SCALE, float32(1 / scale) is inf: unscaling would turn finite gradients into inf/nan.
+    assert np.isfinite(np.float32(1.0 / SMALLEST_SCALE))
+    below = float(np.nextafter(np.float32(SMALLEST_SCALE), np.float32(0)))
+    with np.errstate(over="ignore"):
+        assert np.isinf(np.float32(1.0 / below))
+    assert GradScaler(init_scale=SMALLEST_SCALE, min_scale=None).stats().scale == SMALLEST_SCALE
+    assert GradScaler(init_scale=SMALLEST_SCALE, min_scale=SMALLEST_SCALE).checkpoint().min_scale == SMALLEST_SCALE
     for name in ("init_scale", "min_scale", "max_scale"):
-        kwargs = {**PERMISSIVE[name], name: tiny / 2}
-        with pytest.raises(ConfigError, match=f"'{name}'"):
+        kwargs = {**PERMISSIVE[name], name: below}
+        with pytest.raises(ConfigError, match=f"'{name}'.*2\\*\\*-128"):
             GradScaler(**kwargs)
 
 
@@ -185,7 +193,7 @@ def test_clamps_are_held_in_float32() -> None:
     assert scaler.stats().scale == float(np.float32(1.1))
 
 
-@pytest.mark.parametrize("value", [0.1, 1.1, 1e-30, 12345.678])
+@pytest.mark.parametrize("value", [0.1, 1.1, 1e-30, 12345.678, SMALLEST_SCALE])
 def test_init_scale_equal_to_a_clamp_after_rounding_is_accepted(value: float) -> None:
     assert GradScaler(init_scale=value, min_scale=value, max_scale=None).stats().scale == float(np.float32(value))
     assert GradScaler(init_scale=value, min_scale=None, max_scale=value).stats().scale == float(np.float32(value))

@@ -20,7 +20,14 @@ import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
 from reference_model import RefConfig, RefScaler
 
-from cupy_amp import ArgumentTypeError, GradientSet, GradScaler, GradScalerCheckpoint, GradScalerStats
+from cupy_amp import (
+    ArgumentTypeError,
+    CommunicatorError,
+    GradientSet,
+    GradScaler,
+    GradScalerCheckpoint,
+    GradScalerStats,
+)
 from cupy_amp.distributed import NcclVote, overflow_vote_for
 
 CONFIG: dict[str, Any] = {
@@ -478,8 +485,9 @@ def test_ranks_disagreeing_on_enabled_fail_fast_instead_of_hanging() -> None:
         return scaler.unscale_and_check([np.ones(2, np.float32)])
 
     start = time.monotonic()
-    with pytest.raises(threading.BrokenBarrierError):
+    with pytest.raises(CommunicatorError) as info:
         run_ranks(FakeWorld(2, timeout=0.3), body)
+    assert isinstance(info.value.__cause__, threading.BrokenBarrierError)
     assert time.monotonic() - start < 5.0
 
 

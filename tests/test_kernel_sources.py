@@ -4,22 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-import cupy_amp.kernel_sources as kernel_sources
-from cupy_amp import CupyAmpError, KernelSourceNotFoundError
-from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, kernel_search_path, read_kernel_source
+from cupy_amp import CupyAmpError, KernelSourceNotFoundError, kernel_sources
+from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, read_kernel_source
 
 REPO = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.usefixtures("fresh_kernel_sources")
-
 SOURCE_KERNELS = REPO / "kernels"
-HEADER = "cupy_amp_common.cuh"
+HEADER = "common.cuh"
 _LINE_DIRECTIVE = re.compile(r'^#line (\d+) "([^"]+)"$')
 
 
@@ -52,70 +48,32 @@ def assert_line_directives_map_back(inlined: str, folder: Path) -> set[str]:
 
 
 def test_kernel_directory_finds_the_source_trees_kernels() -> None:
-    found = kernel_directory()
+    found = Path(str(kernel_directory()))
     assert found.resolve() == SOURCE_KERNELS
     assert all((found / name).is_file() for name in KERNEL_FILES)
 
 
-def test_kernel_search_path_lists_package_then_checkout_folders() -> None:
-    package = Path(kernel_sources.__file__).resolve().parent
-    assert kernel_search_path() == [package / "kernels", package.parent / "kernels"]
-
-
-def test_kernel_dir_environment_variable_overrides(kernel_copy: Path) -> None:
-    assert kernel_search_path()[0] == kernel_copy
-    assert kernel_directory() == kernel_copy
-    marked = kernel_copy / "scale_loss.cu"
-    marked.write_text(marked.read_text(encoding="utf-8") + "// only in the override copy\n", encoding="utf-8")
-    assert "// only in the override copy" in read_kernel_source("scale_loss.cu")
-    kernel_sources._read_inlined.cache_clear()
-    os.environ.pop("CUPY_AMP_KERNEL_DIR")
-    assert "// only in the override copy" not in read_kernel_source("scale_loss.cu")
-
-
-def test_kernel_dir_override_without_the_files_is_an_error_not_a_fallback(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    incomplete = tmp_path / "incomplete"
-    incomplete.mkdir()
-    shutil.copy(SOURCE_KERNELS / KERNEL_FILES[0], incomplete)  # one file is not enough
-    monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(incomplete))
-    with pytest.raises(KernelSourceNotFoundError, match="CUPY_AMP_KERNEL_DIR"):
-        kernel_directory()
-
-
-@pytest.mark.parametrize("with_override", [False, True])
-def test_missing_sources_error_lists_every_searched_path(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, with_override: bool
-) -> None:
+def test_missing_sources_error_names_both_places_searched(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # As an installed package without its kernels folder would be: neither place holds the sources.
     package = tmp_path / "site" / "cupy_amp"
-    package.mkdir(parents=True)
-    (package / "kernels").mkdir()  # present, but empty
-    monkeypatch.setattr(kernel_sources, "_PACKAGE_DIR", package)
-    if with_override:
-        override = tmp_path / "override"
-        override.mkdir()
-        monkeypatch.setenv("CUPY_AMP_KERNEL_DIR", str(override))
-    searched = kernel_search_path()
-    assert len(searched) == (3 if with_override else 2)
+    (package / "kernels").mkdir(parents=True)  # present, but empty
+    monkeypatch.setattr(kernel_sources.resources, "files", lambda name: package)
+    monkeypatch.setattr(kernel_sources, "__file__", str(package / "kernel_sources.py"))
     for call in (kernel_directory, lambda: read_kernel_source("unscale_check.cu")):
         with pytest.raises(KernelSourceNotFoundError) as info:
             call()
         message = str(info.value)
-        for folder in searched:
-            assert f"  {folder}\n" in message
-        assert "CUPY_AMP_KERNEL_DIR" in message
+        assert f"  {package / 'kernels'}\n" in message
+        assert f"  {package.parent / 'kernels'}\n" in message
         assert isinstance(info.value, FileNotFoundError)
         assert isinstance(info.value, CupyAmpError)
 
 
-def test_missing_sources_error_lists_a_patched_search_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    folders = [tmp_path / "first", tmp_path / "second" / "deeper", tmp_path / "never created"]
-    folders[0].mkdir()
-    monkeypatch.setattr(kernel_sources, "kernel_search_path", lambda: list(folders))
-    with pytest.raises(FileNotFoundError) as info:
-        kernel_directory()
-    assert [line.strip() for line in str(info.value).splitlines()[1:4]] == [str(folder) for folder in folders]
+def test_a_given_folder_is_read_instead(kernel_copy: Path) -> None:
+    marked = kernel_copy / "scale_loss.cu"
+    marked.write_text(marked.read_text(encoding="utf-8") + "// only in the copy\n", encoding="utf-8")
+    assert "// only in the copy" in read_kernel_source("scale_loss.cu", kernel_copy)
+    assert "// only in the copy" not in read_kernel_source("scale_loss.cu")
 
 
 # Reading and inlining
@@ -141,7 +99,7 @@ def test_nested_includes_are_inlined_with_their_own_line_numbers(kernel_copy: Pa
     (kernel_copy / "inner.cuh").write_text("// inner line 1\n#define CUPY_AMP_INNER 1\n", encoding="utf-8")
     header = kernel_copy / HEADER
     header.write_text('// leading\n#include "inner.cuh"\n' + header.read_text(encoding="utf-8"), encoding="utf-8")
-    source = read_kernel_source("scale_loss.cu")
+    source = read_kernel_source("scale_loss.cu", kernel_copy)
     assert "#define CUPY_AMP_INNER 1" in source
     assert "#include" not in source
     assert assert_line_directives_map_back(source, kernel_copy) == {"scale_loss.cu", HEADER, "inner.cuh"}
@@ -150,7 +108,7 @@ def test_nested_includes_are_inlined_with_their_own_line_numbers(kernel_copy: Pa
 def test_missing_local_header_raises_naming_it(kernel_copy: Path) -> None:
     (kernel_copy / HEADER).unlink()
     with pytest.raises(KernelSourceNotFoundError, match=re.escape(HEADER)):
-        read_kernel_source("scale_loss.cu")
+        read_kernel_source("scale_loss.cu", kernel_copy)
 
 
 def test_unknown_kernel_name_raises() -> None:
@@ -191,7 +149,7 @@ scaler.update()
 assert scaler.scale_factor() == 8.0
 named = GradientSet({"w": np.full(2, 8.0, dtype=np.float32)})
 assert scaler.unscale_and_check(named) is True
-assert named.batch.arrays[0].tolist() == [1.0, 1.0]
+assert list(named)[0].tolist() == [1.0, 1.0]
 scaler.update()
 restored = GradScaler()
 restored.load_checkpoint(GradScalerCheckpoint.from_bytes(scaler.checkpoint().to_bytes()))
@@ -217,7 +175,7 @@ def run_script(tmp_path: Path, code: str, python_path: list[Path]) -> subprocess
     """Run ``code`` in a new interpreter, from outside the repository, with only ``python_path`` added."""
     script = tmp_path / "script.py"
     script.write_text(code, encoding="utf-8")
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "CUPY_AMP_KERNEL_DIR")}
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env["PYTHONPATH"] = os.pathsep.join(str(path) for path in python_path)
     return subprocess.run(
         [sys.executable, str(script), str(REPO)],

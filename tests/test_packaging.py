@@ -25,7 +25,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-KERNEL_SOURCES = sorted(path for path in (REPO / "kernels").iterdir() if path.is_file())
+KERNEL_SOURCES = sorted(path for path in (REPO / "kernels").iterdir() if path.suffix in (".cu", ".cuh"))
 _SKIPPED_NAMES = {"build", "dist", "__pycache__", "node_modules"}
 
 
@@ -94,7 +94,7 @@ def dist_info(names: set[str]) -> str:
 
 
 def test_wheel_ships_every_kernel_source_byte_for_byte(wheel: Path, wheel_names: set[str]) -> None:
-    assert {path.name for path in KERNEL_SOURCES} >= {"scale_loss.cu", "unscale_check.cu", "cupy_amp_common.cuh"}
+    assert {path.name for path in KERNEL_SOURCES} >= {"scale_loss.cu", "unscale_check.cu", "common.cuh"}
     shipped = {name.removeprefix("cupy_amp/kernels/") for name in wheel_names if name.startswith("cupy_amp/kernels/")}
     assert shipped == {path.name for path in KERNEL_SOURCES}
     with zipfile.ZipFile(wheel) as archive:
@@ -105,6 +105,8 @@ def test_wheel_ships_every_kernel_source_byte_for_byte(wheel: Path, wheel_names:
 def test_wheel_holds_the_package_and_nothing_else(wheel_names: set[str]) -> None:
     top_level = {name.split("/")[0] for name in wheel_names}
     assert top_level == {"cupy_amp", dist_info(wheel_names)}
+    assert "cupy_amp/py.typed" in wheel_names  # type information for mypy and pyright users
+    assert any(name.endswith("/LICENSE") for name in wheel_names if name.startswith(dist_info(wheel_names)))
     assert not any(part in ("tests", "tools") for name in wheel_names for part in name.split("/"))
     missing = committed_package_modules() - wheel_names
     assert not missing, f"modules not shipped (is their package listed in pyproject.toml?): {sorted(missing)}"
@@ -122,6 +124,7 @@ def test_wheel_declares_the_console_script_and_dependencies(wheel: Path, wheel_n
     assert any(requirement.startswith("numpy") for requirement in requires)
     assert any(requirement.startswith("msgpack") for requirement in requires)
     assert not any(requirement.startswith("cupy") and "extra ==" not in requirement for requirement in requires)
+    assert any(line == "License-Expression: MIT" for line in metadata.splitlines())
 
 
 def test_installed_wheel_finds_its_kernels_in_site_packages(wheel: Path, tmp_path: Path) -> None:
@@ -133,7 +136,7 @@ def test_installed_wheel_finds_its_kernels_in_site_packages(wheel: Path, tmp_pat
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    env = {key: value for key, value in os.environ.items() if key not in ("PYTHONPATH", "CUPY_AMP_KERNEL_DIR")}
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     env.pop("VIRTUAL_ENV", None)
     probe = (
         "import sys, sysconfig\n"
@@ -143,7 +146,7 @@ def test_installed_wheel_finds_its_kernels_in_site_packages(wheel: Path, tmp_pat
         "print(cupy_amp.__file__)\n"
         "print(kernel_directory())\n"
         "source = read_kernel_source('unscale_check.cu')\n"
-        "print('#include' not in source and 'cupy_amp_mul_f32' in source)\n"
+        "print('#include' not in source and 'mul_f32' in source)\n"
         "print('cupy' in sys.modules)\n"
     )
     result = run([str(python), "-c", probe], cwd=elsewhere, env=env)
@@ -160,5 +163,8 @@ def test_installed_wheel_finds_its_kernels_in_site_packages(wheel: Path, tmp_pat
     help_text = run([str(cli), "--help"], cwd=elsewhere, env=env).stdout
     assert "inspect" in help_text
     assert "validate" in help_text
+    wheel_version = wheel.name.split("-")[1]
+    assert run([str(cli), "--version"], cwd=elsewhere, env=env).stdout == f"cupy-amp {wheel_version}\n"
+    assert "validate" in run([str(python), "-m", "cupy_amp", "--help"], cwd=elsewhere, env=env).stdout
     checkpoint = REPO / "tests" / "data" / "grad_scaler_v1.ckpt"
     run([str(cli), "validate", str(checkpoint)], cwd=elsewhere, env=env)

@@ -385,33 +385,28 @@ class _FakeGpuArray:
 
     dtype = np.dtype(np.float32)
     shape = (2,)
+    strides = (4,)
+    itemsize = 4
 
     __cuda_array_interface__: dict[str, Any] = {}  # noqa: RUF012
 
 
-class _FakeCupyBackend:
-    name = "cupy"
-
-    def coerce(self, obj: Any) -> Any:
-        return obj if isinstance(obj, _FakeGpuArray) else None
-
-    def dtype_problem(self, array: Any) -> None:
-        return None
-
-    def write_problem(self, array: Any) -> None:
-        return None
-
-    def __getattr__(self, name: str) -> Any:
-        raise AssertionError(f"the CuPy backend must not be used for a rejected call ({name})")
-
-
 @pytest.fixture
 def fake_cupy_backend(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Replace the CuPy backend module (which needs a GPU) by a stub."""
+    """Replace the CuPy backend module (which needs a GPU) by a stub that may only validate."""
+    import cupy_amp
+
     module = types.ModuleType("cupy_amp.cupy_backend")
-    backend = _FakeCupyBackend()
-    module.cupy_backend = lambda: backend  # type: ignore[attr-defined]
+    module.NAME = "cupy"  # type: ignore[attr-defined]
+    module.as_array = lambda obj: obj if isinstance(obj, _FakeGpuArray) else None  # type: ignore[attr-defined]
+    module.write_problem = lambda array, source: None  # type: ignore[attr-defined]
+
+    def anything_else(name: str) -> Any:
+        raise AssertionError(f"the CuPy backend must not be used for a rejected call ({name})")
+
+    module.__getattr__ = anything_else  # type: ignore[method-assign]
     monkeypatch.setitem(sys.modules, "cupy_amp.cupy_backend", module)
+    monkeypatch.setattr(cupy_amp, "cupy_backend", module, raising=False)
 
 
 @pytest.mark.usefixtures("fake_cupy_backend")
@@ -431,97 +426,6 @@ def test_numpy_and_cupy_arrays_mixed_are_refused(gpu_first: bool) -> None:
     assert "cupy" in message.lower()
     assert_untouched(grads[:2], saved)
     assert snapshot(scaler) == before
-
-
-# unscale_and_check: an argument object passed again is validated again
-
-
-def test_reused_list_is_validated_on_every_call() -> None:
-    scaler = GradScaler(init_scale=2.0)
-    a, b = np.ones(2, np.float32), np.ones(2, np.float32)
-    grads: list[Any] = [a, b]
-    assert scaler.unscale_and_check(grads) is True
-    scaler.update()
-
-    grads[1] = np.arange(2, dtype=np.int32)
-    saved = copies(grads)
-    with pytest.raises(GradientTypeError, match="#1"):
-        scaler.unscale_and_check(grads)
-    assert_untouched(grads, saved)
-
-    grads[1] = a
-    with pytest.raises(DuplicateGradientError):
-        scaler.unscale_and_check(grads)
-    assert a.tolist() == [0.5, 0.5]
-
-    grads[1] = read_only(b)
-    with pytest.raises(GradientValueError, match="#1"):
-        scaler.unscale_and_check(grads)
-    assert a.tolist() == [0.5, 0.5]
-    b.flags.writeable = True
-
-    grads.append(np.array([np.inf], np.float16))
-    assert scaler.unscale_and_check(grads) is False
-    assert scaler.nonfinite_gradients() == [2]
-    assert a.tolist() == b.tolist() == [0.25, 0.25]
-
-
-def test_reused_list_sees_an_array_whose_dtype_was_reinterpreted() -> None:
-    scaler = GradScaler(init_scale=2.0)
-    a = np.ones(2, np.float32)
-    grads = [a]
-    scaler.unscale_and_check(grads)
-    scaler.update()
-    a.dtype = np.dtype(np.int32)  # same object, now an int32 view of the same bytes
-    saved = a.copy()
-    with pytest.raises(GradientTypeError, match="int32"):
-        scaler.unscale_and_check(grads)
-    assert identical(a, saved)
-
-
-def test_reused_list_with_a_replaced_entry_unscales_the_new_array() -> None:
-    scaler = GradScaler(init_scale=2.0)
-    a, b, c = (np.ones(2, np.float32) for _ in range(3))
-    grads = [a, b]
-    scaler.unscale_and_check(grads)
-    scaler.update()
-    grads[0] = c
-    scaler.unscale_and_check(grads)
-    scaler.update()
-    assert a.tolist() == [0.5, 0.5]
-    assert b.tolist() == [0.25, 0.25]
-    assert c.tolist() == [0.5, 0.5]
-
-
-def test_same_list_twice_in_one_step_is_refused() -> None:
-    scaler = GradScaler(init_scale=2.0)
-    grads = [np.ones(2, np.float32), np.ones(3, np.float16)]
-    assert scaler.unscale_and_check(grads) is True
-    with pytest.raises(DuplicateGradientError) as info:
-        scaler.unscale_and_check(grads)
-    assert_error(info, ScalerProtocolError, RuntimeError)
-    assert grads[0].tolist() == [0.5, 0.5]
-    assert grads[1].tolist() == [0.5, 0.5, 0.5]
-
-
-def test_reused_mapping_is_validated_on_every_call() -> None:
-    scaler = GradScaler(init_scale=2.0)
-    w = np.ones(2, np.float32)
-    grads: dict[str, Any] = {"w": w}
-    scaler.unscale_and_check(grads)
-    scaler.update()
-    grads["w_again"] = w
-    with pytest.raises(DuplicateGradientError, match="'w_again'"):
-        scaler.unscale_and_check(grads)
-    del grads["w_again"]
-    grads["bias"] = np.zeros(2, np.int64)
-    with pytest.raises(GradientTypeError, match="'bias'"):
-        scaler.unscale_and_check(grads)
-    assert w.tolist() == [0.5, 0.5]
-    grads["bias"] = np.array([np.nan], np.float32)
-    assert scaler.unscale_and_check(grads) is False
-    assert scaler.nonfinite_gradients() == ["bias"]
-    assert w.tolist() == [0.25, 0.25]
 
 
 def test_foreign_cpu_tensor_is_refused_with_a_package_error() -> None:

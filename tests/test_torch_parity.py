@@ -3,8 +3,11 @@
 Both scalers see identical float32 gradient sequences with planted inf/nan;
 after every update() the scale (bit for bit), the growth tracker, the skip
 decision and the unscaled gradients (bit for bit) must agree. Random
-configurations are drawn per segment so growth, backoff, float32 overflow of
-the grown scale and underflow of the scale to 0 all occur.
+configurations are drawn per segment so growth, backoff and float32 overflow
+of the grown scale all occur. The one intended difference: PyTorch's scale may
+fall below 2**-128, where its float32 inverse is inf and finite gradients come
+back inf/nan; ours stops at the smallest scale with a finite inverse, and a
+segment that gets there stops comparing.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from cupy_amp import GradScaler
 
 torch = pytest.importorskip("torch")
 
+SMALLEST_SCALE = float.fromhex("0x1.000008p-128")
 SEGMENTS = 25
 STEPS_PER_SEGMENT = 400  # 10,000 randomized steps in all
 
@@ -65,7 +69,7 @@ def _run_segment(seed: int) -> dict[str, int]:
         return real_step(*args, **kwargs)
 
     optimizer.step = counting_step  # type: ignore[method-assign]
-    seen = {"skips": 0, "growths": 0, "zero_scale": 0}
+    seen = {"skips": 0, "growths": 0, "floor": 0}
 
     for step in range(STEPS_PER_SEGMENT):
         grads = _planted_gradients(rng, sizes, overflow_rate)
@@ -92,17 +96,20 @@ def _run_segment(seed: int) -> dict[str, int]:
         old_scale = ours.scale_factor()
         ours.update()
         theirs.update()
+        if theirs.get_scale() < SMALLEST_SCALE:
+            assert ours.scale_factor() == SMALLEST_SCALE, (seed, step)
+            seen["floor"] += 1
+            break
         assert ours.scale_factor() == theirs.get_scale(), (seed, step)
         assert np.float32(ours.scale_factor()).tobytes() == np.float32(theirs.get_scale()).tobytes()
         assert ours.stats().consecutive_good_steps == theirs.state_dict()["_growth_tracker"], (seed, step)
         seen["skips"] += not finite
         seen["growths"] += ours.scale_factor() > old_scale
-        seen["zero_scale"] += ours.scale_factor() == 0.0
     return seen
 
 
 def test_matches_torch_grad_scaler_over_10000_random_steps() -> None:
-    totals = {"skips": 0, "growths": 0, "zero_scale": 0}
+    totals = {"skips": 0, "growths": 0, "floor": 0}
     for seed in range(SEGMENTS):
         for key, value in _run_segment(seed).items():
             totals[key] += value
@@ -111,20 +118,29 @@ def test_matches_torch_grad_scaler_over_10000_random_steps() -> None:
     assert totals["growths"] > 500
 
 
-def test_scale_that_underflowed_to_zero_keeps_matching_torch() -> None:
-    ours = GradScaler(init_scale=2.0**-140, backoff_factor=0.5, growth_interval=3, min_scale=None, max_scale=None)
-    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**-140, backoff_factor=0.5, growth_interval=3)
+def test_below_the_smallest_scale_pytorch_makes_finite_gradients_inf_and_we_stop_at_the_floor() -> None:
+    ours = GradScaler(init_scale=2.0**-126, backoff_factor=0.5, growth_interval=3, min_scale=None, max_scale=None)
+    theirs = torch.amp.GradScaler("cpu", init_scale=2.0**-126, backoff_factor=0.5, growth_interval=3)
     param = torch.nn.Parameter(torch.zeros(3))
     optimizer = torch.optim.SGD([param], lr=0.0)
-    for step in range(40):
-        grad = np.array([1.0, np.inf if step < 12 else 2.0, 3.0], dtype=np.float32)
+    for step in range(4):  # 2**-126 -> 2**-127 -> 2**-128 (ours: SMALLEST_SCALE) -> 2**-129
+        grad = np.array([1.0, np.inf, 3.0], dtype=np.float32)
         param.grad = torch.from_numpy(grad.copy())
         theirs.scale(torch.ones(()))
         ours.unscale_and_check([grad])
         theirs.unscale_(optimizer)
-        assert np.array_equal(grad, param.grad.numpy(), equal_nan=True)
         theirs.step(optimizer)
         ours.update()
         theirs.update()
-        assert ours.scale_factor() == theirs.get_scale()
-    assert ours.scale_factor() == 0.0
+        expected = max(2.0 ** (-127 - step), SMALLEST_SCALE)
+        assert ours.scale_factor() == expected
+        assert theirs.get_scale() == 2.0 ** (-127 - step)
+    # Gradients as small as this scale makes them, whose unscaled values are ordinary numbers.
+    finite = np.array([2.0**-130, -(2.0**-129), 3 * 2.0**-131], dtype=np.float32)
+    finite_copy = finite.copy()
+    param.grad = torch.from_numpy(finite.copy())
+    theirs.scale(torch.ones(()))
+    assert ours.unscale_and_check([finite]) is True
+    theirs.unscale_(optimizer)
+    assert finite.tolist() == [float(np.float32(v * np.float32(1 / SMALLEST_SCALE))) for v in finite_copy]
+    assert np.isinf(param.grad.numpy()).all()  # what PyTorch hands its optimizer at scale 2**-129

@@ -7,7 +7,7 @@ import pytest
 
 from cupy_amp import GradScaler, GradScalerCheckpoint
 
-TINY = float(np.float32(2.0**-149))  # the smallest float32 subnormal
+SMALLEST_SCALE = float.fromhex("0x1.000008p-128")  # the smallest float32 whose float32 inverse is finite
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -262,18 +262,25 @@ def test_min_equal_max_pins_the_scale() -> None:
     expect(scaler, scale=8.0, good=0, hysteresis=1, steps=3, skipped=1, growths=0, backoffs=0)
 
 
-def test_scale_underflows_to_zero_without_floor() -> None:
-    scaler = GradScaler(init_scale=2 * TINY, min_scale=None, growth_interval=2)
+def test_scale_without_floor_stops_at_the_smallest_scale_with_a_finite_inverse() -> None:
+    # PyTorch's scale keeps halving to 0 and its inverse becomes inf; this one stops at SMALLEST_SCALE.
+    scaler = GradScaler(init_scale=4 * SMALLEST_SCALE, min_scale=None, growth_interval=2)
     step(scaler, True)
-    expect(scaler, scale=TINY, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local")
-    step(scaler, True)  # TINY / 2 is a tie between 0 and TINY: rounds to even, 0
-    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2, last="local")
+    expect(
+        scaler, scale=2 * SMALLEST_SCALE, good=0, hysteresis=0, steps=1, skipped=1, growths=0, backoffs=1, last="local"
+    )
     step(scaler, True)
-    expect(scaler, scale=0.0, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=2, last="local")
+    expect(scaler, scale=SMALLEST_SCALE, good=0, hysteresis=0, steps=2, skipped=2, growths=0, backoffs=2, last="local")
+    step(scaler, True)  # already at the bottom: no backoff counted
+    expect(scaler, scale=SMALLEST_SCALE, good=0, hysteresis=0, steps=3, skipped=3, growths=0, backoffs=2, last="local")
+    grad = np.array([1.0, 3.0e38, -(2.0**-100)], dtype=np.float32)
+    with np.errstate(over="ignore"):
+        expected = grad * np.float32(1.0 / SMALLEST_SCALE)
+    assert scaler.unscale_and_check([grad]) is True  # finite gradients come back as the float32 products
+    assert grad.tobytes() == expected.tobytes()
+    scaler.update()
     step(scaler, False)
-    step(scaler, False)  # 0 * growth_factor is still 0: no growth counted
-    expect(scaler, scale=0.0, good=0, hysteresis=1, steps=5, skipped=3, growths=0, backoffs=2)
-    assert scaler.scale_factor() == 0.0
+    expect(scaler, scale=2 * SMALLEST_SCALE, good=0, hysteresis=1, steps=5, skipped=3, growths=1, backoffs=2)
 
 
 def test_counters_only_count_real_changes() -> None:

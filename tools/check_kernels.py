@@ -1,13 +1,15 @@
-"""Compile every kernels/*.cu through NVRTC, as CuPy would at run time, without a GPU.
+"""Compile every kernels/*.cu through NVRTC, exactly as CuPy would at run time, without a GPU.
 
 CuPy's public compile API needs a GPU even when an architecture is given, so
-this drives ``cupy.cuda.nvrtc``'s program functions directly, with the options
-cupy-amp passes to ``cupy.RawModule`` plus those CuPy adds itself
-(``-ftz=true``, ``-arch=sm_XX``, ``--device-as-default-execution-space``).
-Any error or warning fails the check, reported as ``file:line: message``.
+this drives ``cupy.cuda.nvrtc``'s program functions directly, with the source
+and options cupy-amp gives ``cupy.RawModule`` (the struct layout checks
+included) plus those CuPy adds itself (``-ftz=true``, ``-arch=sm_XX``,
+``--device-as-default-execution-space``). Any error or warning fails the
+check, reported as ``file:line: message``.
 
-Usage: python tools/check_kernels.py [--arch 70 --arch 80 --arch 90]
-Needs cupy (any CUDA 12/13 wheel) and an NVRTC library (nvidia-cuda-nvrtc-cu12).
+Usage: python tools/check_kernels.py [--arch 70 --arch 80 --arch 90] [--kernel-dir DIR]
+Needs cupy-amp importable (installed, or PYTHONPATH=.), cupy (any CUDA 12/13 wheel)
+and an NVRTC library (nvidia-cuda-nvrtc-cu12).
 """
 
 from __future__ import annotations
@@ -18,11 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, read_kernel_source  # noqa: E402
+from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory
 
 DEFAULT_ARCHS = ("70", "80", "90")
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")
@@ -60,17 +58,19 @@ def nvrtc_problem() -> str | None:
 
 def compile_options(arch: str) -> tuple[str, ...]:
     """Return the full NVRTC option list CuPy would use for ``arch``."""
-    from cupy_amp.cuda_kernels import compile_options as runtime_options
+    from cupy_amp.cupy_backend import compile_options as runtime_options
 
     return (*runtime_options(), *CUPY_ADDED_OPTIONS, f"-arch=sm_{arch}")
 
 
-def compile_kernel(file_name: str, arch: str) -> CompileResult:
-    """Compile one kernel file for one architecture and collect its diagnostics."""
+def compile_kernel(file_name: str, arch: str, directory: Path | None = None) -> CompileResult:
+    """Compile one kernel file (from ``directory``, default the one cupy-amp loads) for one architecture."""
     from cupy.cuda import nvrtc
 
-    source = read_kernel_source(file_name)
-    program = nvrtc.createProgram(source, file_name, (), ())
+    from cupy_amp.cupy_backend import compile_source
+
+    folder = Path(str(directory if directory is not None else kernel_directory()))
+    program = nvrtc.createProgram(compile_source(file_name, folder), file_name, (), ())
     try:
         try:
             nvrtc.compileProgram(program, compile_options(arch))
@@ -85,7 +85,7 @@ def compile_kernel(file_name: str, arch: str) -> CompileResult:
         for line in log.splitlines()
         if line.strip() and line.strip() not in KNOWN_TARGET_NOTICES and not line.strip().startswith("Remark:")
     ]
-    diagnostics = tuple(_format(line) for line in lines if _is_diagnostic(line))
+    diagnostics = tuple(_format(line, folder) for line in lines if _is_diagnostic(line))
     if failed and not diagnostics:
         diagnostics = (f"{file_name}: compilation failed: {log.strip() or 'no log'}",)
     return CompileResult(file_name, arch, not failed and not diagnostics, diagnostics)
@@ -95,22 +95,22 @@ def _is_diagnostic(line: str) -> bool:
     return " error" in line or " warning" in line or _DIAGNOSTIC.match(line) is not None
 
 
-def _format(line: str) -> str:
+def _format(line: str, folder: Path) -> str:
     match = _DIAGNOSTIC.match(line.strip())
     if match is None:
         return line.strip()
-    path = kernel_directory() / match["file"]
-    return f"{path}:{match['line']}: {match['kind']}: {match['text']}"
+    return f"{folder / match['file']}:{match['line']}: {match['kind']}: {match['text']}"
 
 
-def check_all(archs: tuple[str, ...] = DEFAULT_ARCHS) -> list[CompileResult]:
+def check_all(archs: tuple[str, ...] = DEFAULT_ARCHS, directory: Path | None = None) -> list[CompileResult]:
     """Compile every kernel file for every architecture."""
-    return [compile_kernel(name, arch) for name in KERNEL_FILES for arch in archs]
+    return [compile_kernel(name, arch, directory) for name in KERNEL_FILES for arch in archs]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--arch", action="append", help="compute capability such as 90 (repeatable)")
+    parser.add_argument("--kernel-dir", type=Path, help="check the sources in this folder instead")
     args = parser.parse_args(argv)
     problem = nvrtc_problem()
     if problem is not None:
@@ -118,9 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from cupy.cuda import nvrtc
 
-    print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}, kernels from {kernel_directory()}")
+    folder = args.kernel_dir or Path(str(kernel_directory()))
+    print(f"NVRTC {'.'.join(map(str, nvrtc.getVersion()))}, kernels from {folder}")
     failures = 0
-    for result in check_all(tuple(args.arch or DEFAULT_ARCHS)):
+    for result in check_all(tuple(args.arch or DEFAULT_ARCHS), folder):
         status = "ok" if result.ok else "FAILED"
         print(f"{status:6} sm_{result.arch} {result.file}")
         for line in result.diagnostics:

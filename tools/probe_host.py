@@ -27,10 +27,10 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import cupy  # noqa: E402
+from cupy_amp.update_rule import next_state  # noqa: E402
 
 from cupy_amp import GradientSet, GradScaler, cuda_kernels, entry_addresses  # noqa: E402
 from cupy_amp.cupy_backend import cupy_backend  # noqa: E402
-from cupy_amp.update_rule import next_state  # noqa: E402
 
 
 def per_call_us(run: Callable[[], object], calls: int = 3000, sync: bool = True) -> float:

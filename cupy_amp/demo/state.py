@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from cupy_amp._fileio import write_file_atomic
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.checkpoint_format import write_file_atomic
 from cupy_amp.demo.device import Device
 from cupy_amp.demo.model import Adam, parameter_names
 from cupy_amp.demo.options import DemoError, ScalerSettings, Settings

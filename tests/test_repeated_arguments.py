@@ -1,11 +1,13 @@
-"""The prepared-call cache skips validation of repeated gradient arguments and never changes a result.
+"""Repeated gradient arguments: the results never depend on whether a call was recognised.
 
-Every test drives ``GradScaler`` with NumPy arrays. A "cached" scaler sees the
-same argument objects step after step (mutated in place where a test says so);
-a reference scaler sees fresh lists of fresh copies, which the cache can never
-recognise, so whatever the two disagree on is a cache bug. Every test runs
-twice: with lists compared as address vectors (the usual path) and entry by
-entry (the fallback for interpreters that do not lay tuples out as CPython).
+Every test drives ``GradScaler`` with NumPy arrays, in two modes. "validated":
+as NumPy is, whose arrays can change their layout in place, so every call is
+validated in full. "remembered": as CuPy is, whose arrays cannot, so a list,
+tuple or dict whose entries are the same objects as an earlier call's reuses
+that call (here NumPy is declared layout-fixed to drive that path on the CPU).
+A reference scaler sees fresh copies in fresh containers, which nothing can
+recognise, so whatever the two disagree on is a bug in the remembering.
+Tests that change an array's layout in place run in the validated mode only.
 """
 
 from __future__ import annotations
@@ -17,50 +19,38 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import assert_same_bits
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import cupy_amp.entry_addresses
-import cupy_amp.scaler
 from cupy_amp import (
     DuplicateGradientError,
     GradientSet,
     GradientTypeError,
     GradientValueError,
     GradScaler,
+    numpy_backend,
 )
-from cupy_amp.gradients import collect_gradients
+from cupy_amp import gradients as parsing
 
 INF = float("inf")
 NAN = float("nan")
 
 
-@pytest.fixture(autouse=True, params=["address-vector", "entry-scan"])
-def list_comparison(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    if request.param == "entry-scan":
-        monkeypatch.setattr(cupy_amp.entry_addresses, "available", lambda: False)
-    else:
-        assert cupy_amp.entry_addresses.available(), "CPython's tuple layout is expected on the test interpreter"
+@pytest.fixture(autouse=True, params=["validated", "remembered"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.node.get_closest_marker("layout_changes") and request.param == "remembered":
+        pytest.skip("changes an array's layout in place, which only NumPy arrays allow (never remembered)")
+    monkeypatch.setattr(numpy_backend, "LAYOUT_FIXED", request.param == "remembered")
     return str(request.param)
+
+
+layout_changes = pytest.mark.layout_changes
 
 
 def make_scaler(init_scale: float = 4.0, growth_interval: int = 1) -> GradScaler:
     # growth_interval=1 changes the scale on every clean step, so a stale result cannot hide.
     return GradScaler(init_scale=init_scale, growth_interval=growth_interval)
-
-
-def bits(array: np.ndarray) -> np.ndarray:
-    return array.view(f"u{array.itemsize}")
-
-
-def assert_same_bits(actual: np.ndarray | None, expected: np.ndarray | None) -> None:
-    if expected is None:
-        assert actual is None
-        return
-    assert actual is not None
-    assert actual.dtype == expected.dtype
-    assert actual.shape == expected.shape
-    np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
 def fresh_copies(gradients: Any) -> Any:
@@ -115,15 +105,15 @@ def new_array(value: float, dtype: Any = np.float32, size: int = 3) -> np.ndarra
 
 @pytest.fixture
 def validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Count how often the scaler validates a gradient argument from scratch."""
+    """Count how often a gradient argument is validated from scratch."""
     calls = [0]
-    real = collect_gradients
+    real = parsing._parse
 
-    def counting(gradients: Any) -> Any:
+    def counting(argument: Any) -> Any:
         calls[0] += 1
-        return real(gradients)
+        return real(argument)
 
-    monkeypatch.setattr(cupy_amp.scaler, "collect_gradients", counting)
+    monkeypatch.setattr(parsing, "_parse", counting)
     return calls
 
 
@@ -152,17 +142,17 @@ def test_same_dict_every_step_gives_the_same_results_as_fresh_dicts() -> None:
     assert cached.stats().steps == 4
 
 
-def test_repeated_list_is_validated_once(validations: list[int]) -> None:
+def test_repeated_list_is_validated_once_if_remembered_else_every_time(mode: str, validations: list[int]) -> None:
     scaler = make_scaler()
     first, second = new_array(4.0), new_array(8.0)
-    gradients = [first, None, second]
+    grads = [first, None, second]
     for _ in range(3):
-        assert scaler.unscale_and_check(gradients)
+        assert scaler.unscale_and_check(grads)
         scaler.update()
-    assert validations[0] == 1
+    assert validations[0] == (1 if mode == "remembered" else 3)
     # Same arrays, new list object: still recognised.
     assert scaler.unscale_and_check([first, None, second])
-    assert validations[0] == 1
+    assert validations[0] == (1 if mode == "remembered" else 4)
 
 
 # A list mutated in place is validated again
@@ -251,6 +241,7 @@ def test_entry_appended_that_aliases_another_raises_duplicate_and_modifies_nothi
     np.testing.assert_array_equal(whole, np.full(6, 8.0, dtype=np.float32))
 
 
+@layout_changes
 def test_array_made_read_only_after_first_call_is_refused_on_next_call() -> None:
     scaler = make_scaler(init_scale=4.0, growth_interval=1000)
     kept, frozen_later = new_array(8.0), new_array(8.0)
@@ -269,6 +260,7 @@ def test_array_made_read_only_after_first_call_is_refused_on_next_call() -> None
     np.testing.assert_array_equal(frozen_later, new_array(2.0))
 
 
+@layout_changes
 def test_array_reinterpreted_as_int_after_first_call_is_refused_on_next_call() -> None:
     scaler = make_scaler()
     kept, retyped = new_array(8.0), new_array(8.0)
@@ -382,6 +374,26 @@ def test_same_list_twice_in_one_step_raises_duplicate_and_unscales_once() -> Non
     np.testing.assert_array_equal(gradients[0], new_array(2.0))
 
 
+def test_reused_mapping_is_validated_on_every_call() -> None:
+    scaler = GradScaler(init_scale=2.0)
+    w = np.ones(2, np.float32)
+    grads: dict[str, Any] = {"w": w}
+    scaler.unscale_and_check(grads)
+    scaler.update()
+    grads["w_again"] = w
+    with pytest.raises(DuplicateGradientError, match="'w_again'"):
+        scaler.unscale_and_check(grads)
+    del grads["w_again"]
+    grads["bias"] = np.zeros(2, np.int64)
+    with pytest.raises(GradientTypeError, match="'bias'"):
+        scaler.unscale_and_check(grads)
+    assert w.tolist() == [0.5, 0.5]
+    grads["bias"] = np.array([np.nan], np.float32)
+    assert scaler.unscale_and_check(grads) is False
+    assert scaler.nonfinite_gradients() == ["bias"]
+    assert w.tolist() == [0.25, 0.25]
+
+
 _OPS = ("same", "fill", "replace", "none", "append", "pop", "read_only", "writeable")
 _VALUES = (1.0, 3.0, -2.5, 2.0**-24, 60000.0, INF, -INF, NAN)
 _DTYPES = (np.float16, np.float32, np.float64)
@@ -412,7 +424,7 @@ def test_list_mutated_in_place_between_steps_matches_fresh_lists(ops: list[tuple
             gradients.append(new_array(value, dtype))
         elif op == "pop" and len(gradients) > 1:
             gradients.pop(position)
-        elif op in ("read_only", "writeable") and target is not None:
+        elif op in ("read_only", "writeable") and target is not None and not numpy_backend.LAYOUT_FIXED:
             target.flags.writeable = op == "writeable"
         step_both(cached, reference, gradients)
 
@@ -556,6 +568,7 @@ def test_gradient_set_in_two_calls_of_one_step_raises_duplicate_and_unscales_onc
     assert scaler.unscale_and_check(gradient_set)  # a new step: fine again
 
 
+@layout_changes
 def test_gradient_set_member_made_read_only_later_is_refused_before_anything_is_modified() -> None:
     scaler = make_scaler()
     first, second = new_array(8.0), new_array(8.0)

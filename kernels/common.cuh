@@ -1,0 +1,265 @@
+// Shared device code for cupy-amp's kernels. cupy_amp/kernel_sources.py inlines this file into each
+// .cu file (so its text is part of CuPy's compile-cache key), and cupy_amp/cupy_backend.py appends
+// static_asserts that the structs below match their NumPy mirrors, field by field.
+//
+// Numerics must equal the NumPy path bit for bit on x86-64 hosts:
+// - products are taken with explicit PTX `mul.rn` (no .ftz), because CuPy compiles every module
+//   with -ftz=true, which would flush float32 subnormals;
+// - a NaN input comes out as the same NaN with its quiet bit set (what x86 multiplication does),
+//   and a NaN produced by the multiplication (0 * inf) is x86's default NaN;
+// - inf/nan is detected on the bits, before multiplying.
+
+// Threads per block: the Python side passes it with -D and launches with the same number.
+#ifndef CUPY_AMP_THREADS
+#error "compile with -DCUPY_AMP_THREADS=<threads per block>, as cupy_amp/cupy_backend.py does"
+#endif
+
+namespace cupy_amp {
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Registers for two blocks per multiprocessor; four 16-byte vectors in flight per thread
+// (the best launch shape measured on an H200: BENCHMARKS.md).
+constexpr int kMinBlocks = 2;
+constexpr int kUnroll = 4;
+constexpr int kMaxNdim = 64;
+
+// The records below are written by the Python side (cupy_amp/cupy_backend.py mirrors each with a NumPy
+// dtype, and every compile checks that the two agree field by field). Device addresses are u64.
+
+// One chunk of a multi-tensor table: one block's unit of work, inside one tensor.
+struct __align__(16) Chunk {
+    u64 address;      // dense: the chunk's first element; strided: the tensor's element [0, ..., 0]
+    long long first;  // dense: 0; strided: the chunk's first element, counted in C order
+    long long last;   // one past the chunk's last element (dense: its element count)
+    int tensor;       // the tensor's index in the table
+    int layout;       // -1: dense, walked as flat memory; else the offset of the tensor's layout
+};
+
+// A strided tensor's layout, at `layouts + Chunk::layout` (long long words): ndim, then ndim extents,
+// then ndim strides in elements (possibly negative).
+
+struct UnscaleArgs {
+    u64 chunks;        // const Chunk[chunk_count]
+    u64 layouts;       // const long long[]
+    long long chunk_count;
+    u64 found;         // int, set to `epoch` if any element was inf/nan (may be mapped host memory)
+    u64 tensor_found;  // int per tensor, set to `epoch` if it held inf/nan
+    float inv_scale;
+    int epoch;         // a number chosen per launch, so no flag needs clearing between launches
+};
+
+struct ScaleArgs {
+    u64 base;          // dense: the lowest element; strided: element [0, ..., 0]
+    long long numel;
+    u64 layout;        // 0: dense; else the loss's layout (const long long[]), as above
+    long long chunk_size;  // elements per block per turn
+    float scale;
+};
+
+__device__ __forceinline__ float mul_f32(float a, float b) {
+    float r;
+    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u16 h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// Each type also handles a 16-byte vector (uint4) at once: vector_nonfinite tests its lanes on the
+// bits; multiply_finite is the product when neither the lanes nor the factor are inf/nan, so no NaN
+// can come out and the NaN rules above need not be checked.
+struct Half {
+    typedef u16 bits;
+    static __device__ __forceinline__ bool word_nonfinite(u32 w) {
+        return ((w & 0x7c00u) == 0x7c00u) | ((w & 0x7c000000u) == 0x7c000000u);
+    }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return word_nonfinite(v.x) | word_nonfinite(v.y) | word_nonfinite(v.z) | word_nonfinite(v.w);
+    }
+    static __device__ __forceinline__ u32 pair_multiply_finite(u32 w, float factor) {
+        float low = mul_f32(f16_to_f32((u16)(w & 0xffffu)), factor);
+        float high = mul_f32(f16_to_f32((u16)(w >> 16)), factor);
+#if __CUDA_ARCH__ >= 800
+        u32 packed;
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+        return packed;
+#else
+        return (u32)f32_to_f16(low) | ((u32)f32_to_f16(high) << 16);
+#endif
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        v.x = pair_multiply_finite(v.x, factor);
+        v.y = pair_multiply_finite(v.y, factor);
+        v.z = pair_multiply_finite(v.z, factor);
+        v.w = pair_multiply_finite(v.w, factor);
+    }
+    static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7c00u) == 0x7c00u; }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffu) > 0x7c00u) return (bits)(x | 0x0200u);
+        u32 r = __float_as_uint(mul_f32(f16_to_f32(x), factor));
+        if ((r & 0x7fffffffu) > 0x7f800000u) return (bits)0xfe00u;
+        return f32_to_f16(__uint_as_float(r));
+    }
+};
+
+struct Single {
+    typedef u32 bits;
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return nonfinite(v.x) | nonfinite(v.y) | nonfinite(v.z) | nonfinite(v.w);
+    }
+    static __device__ __forceinline__ u32 lane_multiply_finite(u32 w, float factor) {
+        return __float_as_uint(mul_f32(__uint_as_float(w), factor));
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        v.x = lane_multiply_finite(v.x, factor);
+        v.y = lane_multiply_finite(v.y, factor);
+        v.z = lane_multiply_finite(v.z, factor);
+        v.w = lane_multiply_finite(v.w, factor);
+    }
+    static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7f800000u) == 0x7f800000u; }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffffffu) > 0x7f800000u) return x | 0x00400000u;
+        u32 r = __float_as_uint(mul_f32(__uint_as_float(x), factor));
+        if ((r & 0x7fffffffu) > 0x7f800000u) return 0xffc00000u;
+        return r;
+    }
+};
+
+struct Double {
+    typedef u64 bits;
+    static __device__ __forceinline__ u64 join(u32 low, u32 high) { return (u64)low | ((u64)high << 32); }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return nonfinite(join(v.x, v.y)) | nonfinite(join(v.z, v.w));
+    }
+    static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
+        double a = __dmul_rn(__longlong_as_double((long long)join(v.x, v.y)), (double)factor);
+        double b = __dmul_rn(__longlong_as_double((long long)join(v.z, v.w)), (double)factor);
+        u64 ra = (u64)__double_as_longlong(a), rb = (u64)__double_as_longlong(b);
+        v.x = (u32)ra;
+        v.y = (u32)(ra >> 32);
+        v.z = (u32)rb;
+        v.w = (u32)(rb >> 32);
+    }
+    static __device__ __forceinline__ bool nonfinite(bits x) {
+        return (x & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+    }
+    static __device__ __forceinline__ bits multiply(bits x, float factor) {
+        if ((x & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return x | 0x0008000000000000ull;
+        u64 r = (u64)__double_as_longlong(__dmul_rn(__longlong_as_double((long long)x), (double)factor));
+        if ((r & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return 0xfff8000000000000ull;
+        return r;
+    }
+};
+
+// Check then multiply one element in place; returns true if it was inf/nan.
+template <class Type>
+__device__ __forceinline__ bool apply(typename Type::bits* element, float factor) {
+    typename Type::bits x = *element;
+    *element = Type::multiply(x, factor);
+    return Type::nonfinite(x);
+}
+
+// Elements [first, last) of a dense tensor starting at `base`: a scalar head up to 16-byte alignment,
+// a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache hints: every byte is
+// read and written once), and a scalar tail.
+template <class Type>
+__device__ bool apply_dense(u64 base, long long first, long long last, float factor) {
+    typedef typename Type::bits bits;
+    const int vec = 16 / sizeof(bits);
+    bits* data = reinterpret_cast<bits*>(base);
+    bool bad = false;
+
+    u64 first_address = base + (u64)first * sizeof(bits);
+    long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
+    long long body_first = first + head < last ? first + head : last;
+    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
+        bad |= apply<Type>(data + i, factor);
+    }
+
+    const bool finite_factor = (__float_as_uint(factor) & 0x7f800000u) != 0x7f800000u;
+    union Vector {
+        uint4 raw;
+        bits lanes[vec];
+    };
+    long long vectors = (last - body_first) / vec;
+    Vector* body = reinterpret_cast<Vector*>(data + body_first);
+    for (long long v = threadIdx.x; v < vectors; v += (long long)kUnroll * blockDim.x) {
+        Vector loaded[kUnroll];
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            long long index = v + (long long)k * blockDim.x;
+            if (index < vectors) loaded[k].raw = __ldcs(&body[index].raw);
+        }
+#pragma unroll
+        for (int k = 0; k < kUnroll; ++k) {
+            long long index = v + (long long)k * blockDim.x;
+            if (index < vectors) {
+                bool vector_bad = Type::vector_nonfinite(loaded[k].raw);
+                if (!vector_bad && finite_factor) {
+                    Type::multiply_finite(loaded[k].raw, factor);
+                } else {
+#pragma unroll
+                    for (int lane = 0; lane < vec; ++lane) {
+                        loaded[k].lanes[lane] = Type::multiply(loaded[k].lanes[lane], factor);
+                    }
+                }
+                bad |= vector_bad;
+                __stcs(&body[index].raw, loaded[k].raw);
+            }
+        }
+    }
+
+    for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
+        bad |= apply<Type>(data + i, factor);
+    }
+    return bad;
+}
+
+// Elements [first, last) (in C order) of a strided tensor; `staged` holds its layout (ndim, extents,
+// strides), already in shared memory.
+template <class Type>
+__device__ bool apply_strided(u64 base, const long long* staged, long long first, long long last, float factor) {
+    typedef typename Type::bits bits;
+    bits* origin = reinterpret_cast<bits*>(base);
+    const int ndim = (int)staged[0];
+    const long long* extents = staged + 1;
+    const long long* strides = staged + 1 + ndim;
+    bool bad = false;
+    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
+        long long rest = i;
+        long long offset = 0;
+        for (int dim = ndim - 1; dim >= 0; --dim) {
+            offset += (rest % extents[dim]) * strides[dim];
+            rest /= extents[dim];
+        }
+        bad |= apply<Type>(origin + offset, factor);
+    }
+    return bad;
+}
+
+// Elements [first, last) of one tensor, whichever its layout (null: dense). Must be reached by every
+// thread of the block (it synchronizes to stage a strided layout in shared memory).
+template <class Type>
+__device__ bool apply_range(u64 base, const long long* layout, long long first, long long last, float factor) {
+    __shared__ long long staged[1 + 2 * kMaxNdim];
+    if (layout == nullptr) return apply_dense<Type>(base, first, last, factor);
+    __syncthreads();  // the previous chunk may still be reading `staged`
+    const int words = 1 + 2 * (int)layout[0];
+    for (int k = threadIdx.x; k < words; k += blockDim.x) staged[k] = layout[k];
+    __syncthreads();
+    return apply_strided<Type>(base, staged, first, last, factor);
+}
+
+}  // namespace cupy_amp
