@@ -325,3 +325,45 @@ def test_directory_sync_failure_is_reported_with_the_new_file_in_place(
     monkeypatch.undo()
     assert GradScalerCheckpoint.load(target) == golden()
     assert os.listdir(tmp_path) == ["scaler.ckpt"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX permissions")
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o444])
+def test_save_keeps_an_existing_files_permission_bits(tmp_path: Path, mode: int) -> None:
+    target = tmp_path / "scaler.ckpt"
+    golden().save(target)
+    target.chmod(mode)
+    previous = os.umask(0o022)
+    try:
+        with_fields(steps=7_000_000_000).save(target)
+    finally:
+        os.umask(previous)
+    assert target.stat().st_mode & 0o777 == mode
+    assert GradScalerCheckpoint.load(target).steps == 7_000_000_000
+
+
+@pytest.mark.parametrize(
+    ("function", "error"),
+    [("write", OSError(errno.ENOSPC, "No space left on device")), ("fsync", OSError(errno.EIO, "Input/output error"))],
+)
+def test_a_failed_save_names_the_users_path_not_the_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, function: str, error: OSError
+) -> None:
+    target = tmp_path / "scaler.ckpt"
+    monkeypatch.setattr(os, function, _fail(error))
+    with pytest.raises(OSError) as info:
+        golden().save(target)
+    monkeypatch.undo()
+    message = str(info.value)
+    assert repr(str(target)) in message
+    assert ".tmp-" not in message
+    assert info.value.errno == error.errno
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_save_into_a_missing_directory_names_the_path(tmp_path: Path) -> None:
+    target = tmp_path / "absent" / "scaler.ckpt"
+    with pytest.raises(FileNotFoundError) as info:
+        golden().save(target)
+    assert repr(str(target)) in str(info.value)
+    assert ".tmp-" not in str(info.value)

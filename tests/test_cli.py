@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -300,6 +301,52 @@ def test_script_inspect_json_and_missing_file(good: Path, tmp_path: Path) -> Non
     assert missing.stdout == ""
     assert "Traceback" not in missing.stderr
     assert "No such file or directory" in missing.stderr
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="POSIX file names are bytes")
+@pytest.mark.parametrize("encoding", ["utf-8", "ascii"])
+def test_file_names_that_are_not_utf8_never_cause_a_traceback(tmp_path: Path, encoding: str) -> None:
+    # A name of arbitrary bytes, printed to a UTF-8 or even an ASCII-only terminal.
+    directory = os.fsencode(tmp_path)
+    good_name = directory + b"/caf\xe9-\xff\xfe.ckpt"
+    make().save(os.fsdecode(good_name))
+    missing_name = directory + b"/\xc3\x28-absent.ckpt"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONIOENCODING": encoding}
+    command = [sys.executable, "-m", "cupy_amp"]
+    runs = {
+        "validate": subprocess.run([*command, "validate", good_name, missing_name], env=env, capture_output=True),
+        "inspect": subprocess.run([*command, "inspect", good_name], env=env, capture_output=True),
+        "inspect-missing": subprocess.run([*command, "inspect", missing_name], env=env, capture_output=True),
+    }
+    assert [runs[name].returncode for name in runs] == [1, 0, 1]
+    for name, result in runs.items():
+        assert b"Traceback" not in result.stderr, name
+        assert len(result.stderr.splitlines()) == (0 if name == "inspect" else 1), name
+    assert runs["validate"].stdout.startswith(b"OK  ")
+    assert b"\\udcff" in runs["validate"].stdout or b"\\xff" in runs["validate"].stdout
+    assert b"steps:" in runs["inspect"].stdout
+
+
+def test_version_and_python_m(tmp_path: Path) -> None:
+    from cupy_amp import __version__
+
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    shown = subprocess.run([sys.executable, "-m", "cupy_amp", "--version"], env=env, capture_output=True, text=True)
+    assert (shown.returncode, shown.stdout) == (0, f"cupy-amp {__version__}\n")
+    assert main(["--version"]) == 0
+
+
+def test_an_unexpected_error_is_one_line_not_a_traceback(monkeypatch: pytest.MonkeyPatch, good: Path) -> None:
+    import cupy_amp.cli
+
+    def broken(path: str) -> None:
+        raise MemoryError("no more memory")
+
+    monkeypatch.setattr(cupy_amp.cli, "read_checkpoint", broken)
+    errors = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", errors)
+    assert main(["validate", str(good)]) == 1
+    assert errors.getvalue() == "cupy-amp: unexpected error: MemoryError: no more memory\n"
 
 
 def _reseal(body: bytes) -> bytes:

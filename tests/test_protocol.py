@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
+import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -259,6 +261,27 @@ def test_same_array_under_two_names_is_refused() -> None:
     assert "'encoder.W'" in str(info.value)
     assert "'decoder.W'" in str(info.value)
     assert identical(grads[2], saved)
+
+
+@pytest.mark.parametrize(
+    ("shape", "strides"),
+    [((3, 3), (4, 4)), ((4,), (0,)), ((2, 3), (8, 4)), ((3, 2, 2), (8, 4, 12))],
+    ids=["rows-overlap", "zero-stride", "sliding-window", "interleaved-repeat"],
+)
+def test_an_array_whose_elements_overlap_each_other_is_refused(
+    shape: tuple[int, ...], strides: tuple[int, ...]
+) -> None:
+    # Built writeable on purpose: multiplying it in place would divide the shared elements more than once.
+    base = np.arange(1.0, 17.0, dtype=np.float32)
+    tricky = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides, writeable=True)
+    saved = base.copy()
+    scaler = GradScaler(init_scale=2.0)
+    with pytest.raises(GradientValueError, match="overlap in memory") as info:
+        scaler.unscale_and_check([np.ones(2, np.float32), tricky])
+    assert "gradient #1" in str(info.value)
+    with pytest.raises(GradientValueError, match="overlap in memory"):
+        scaler.scale_loss(tricky)
+    assert identical(base, saved)
 
 
 @pytest.mark.parametrize(
@@ -570,6 +593,86 @@ def test_load_checkpoint_while_a_step_is_open_is_refused() -> None:
     assert snapshot(scaler) == before
     scaler.update()  # the step is still open and can end normally
     assert scaler.stats().steps == 2
+
+
+# A step opens at scale_loss: nothing may change the scale between the loss and its gradients
+
+
+@pytest.mark.parametrize("change", ["set_enabled", "load_checkpoint", "checkpoint"])
+def test_changing_the_scaler_between_scale_loss_and_unscale_is_refused(change: str) -> None:
+    # With set_enabled(False) or another checkpoint here, the loss got one scale and the gradients
+    # would be divided by another, and unscale_and_check would still say True.
+    scaler = GradScaler(init_scale=8.0)
+    other = GradScaler(init_scale=2.0).checkpoint()
+    loss = np.array(1.0, np.float32)
+    scaler.scale_loss(loss)
+    before = snapshot(scaler)
+    with pytest.raises(ScalerProtocolError, match=r"scale_loss\(\) was called and update\(\) was not yet"):
+        {
+            "set_enabled": lambda: scaler.set_enabled(False),
+            "load_checkpoint": lambda: scaler.load_checkpoint(other),
+            "checkpoint": scaler.checkpoint,
+        }[change]()
+    assert snapshot(scaler) == before
+    grad = np.full(2, 8.0, np.float32)  # as the backward pass from the scaled loss would give
+    assert scaler.unscale_and_check([grad]) is True
+    assert grad.tolist() == [1.0, 1.0]
+    scaler.update()
+    scaler.set_enabled(False)  # between steps: fine
+    scaler.load_checkpoint(other)
+
+
+def test_scale_loss_after_unscale_without_update_says_update_was_forgotten() -> None:
+    scaler = GradScaler(init_scale=4.0)
+    scaler.scale_loss(np.array(1.0, np.float32))
+    assert scaler.unscale_and_check([np.ones(2, np.float32)])
+    loss = np.array(1.0, np.float32)
+    with pytest.raises(ScalerProtocolError, match=r"update\(\) was forgotten") as info:
+        scaler.scale_loss(loss)
+    assert_error(info, ScalerProtocolError, RuntimeError)
+    assert loss == 1.0  # not scaled
+    scaler.update()
+    scaler.scale_loss(loss)
+    assert loss == 4.0
+
+
+def test_a_loop_that_forgets_update_stops_at_its_second_step_holding_one_steps_arrays() -> None:
+    # Without the check, every step's fresh arrays stayed referenced by the open step and the scale never moved.
+    scaler = GradScaler(init_scale=4.0, growth_interval=1)
+    first_step = [np.ones(1000, np.float32)]
+    watch = weakref.ref(first_step[0])
+    scaler.scale_loss(np.array(1.0, np.float32))
+    scaler.unscale_and_check(first_step)
+    del first_step
+    with pytest.raises(ScalerProtocolError, match="forgotten"):
+        scaler.scale_loss(np.array(1.0, np.float32))
+    assert watch() is not None  # the open step still holds its own arrays (so none can be reused in it)...
+    scaler.update()
+    gc.collect()
+    assert watch() is None  # ...and lets go of them when it ends
+
+
+def test_gradient_accumulation_scales_every_micro_batch_loss_with_the_step_scale() -> None:
+    scaler = GradScaler(init_scale=4.0)
+    losses = [np.array(float(i + 1), np.float32) for i in range(3)]
+    for loss in losses:
+        scaler.scale_loss(loss)
+    assert [float(loss) for loss in losses] == [4.0, 8.0, 12.0]
+    assert scaler.unscale_and_check([np.full(2, 12.0, np.float32)])
+    scaler.update()
+    assert scaler.stats().steps == 1
+
+
+def test_a_disabled_scaler_still_validates_unscale_and_checks_argument() -> None:
+    scaler = GradScaler(enabled=False)
+    with pytest.raises(GradientTypeError, match="#1"):
+        scaler.unscale_and_check([np.ones(2, np.float32), np.ones(2, np.int32)])
+    with pytest.raises(GradientValueError, match="read-only"):
+        scaler.unscale_and_check([read_only(np.ones(2, np.float32))])
+    shared = np.ones(4, np.float32)
+    with pytest.raises(DuplicateGradientError):
+        scaler.unscale_and_check([shared, shared[1:]])
+    assert scaler.unscale_and_check([np.full(2, 3.0, np.float32)]) is True
 
 
 @pytest.mark.parametrize("bad", [None, {}, "ckpt", b"\x80", 1.0])

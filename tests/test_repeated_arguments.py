@@ -13,6 +13,7 @@ Tests that change an array's layout in place run in the validated mode only.
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
 from collections.abc import Hashable
 from typing import Any
@@ -242,6 +243,41 @@ def test_entry_appended_that_aliases_another_raises_duplicate_and_modifies_nothi
 
 
 @layout_changes
+@pytest.mark.parametrize("kind", ["list", "GradientSet"])
+def test_views_made_to_overlap_by_setting_strides_in_place_are_refused(kind: str) -> None:
+    base = np.full(8, 8.0, dtype=np.float32)
+    first, second = base[:4], base[4:]
+    grads: Any = [first, second] if kind == "list" else GradientSet([first, second])
+    scaler = make_scaler(init_scale=2.0, growth_interval=1000)
+    assert scaler.unscale_and_check(grads)
+    scaler.update()
+    base[...] = 8.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # NumPy 2.4 deprecates setting strides, still allows it
+        first.strides = (8,)  # now base[0], base[2], base[4], base[6]: half of them are second's
+    with pytest.raises(DuplicateGradientError, match=r"gradient #0 and gradient #1 share memory"):
+        scaler.unscale_and_check(grads)
+    assert base.tolist() == [8.0] * 8
+
+
+@layout_changes
+def test_an_array_made_to_overlap_itself_by_setting_strides_is_refused() -> None:
+    base = np.full(8, 8.0, dtype=np.float32)
+    view = base[:4]
+    grads = [view]
+    scaler = make_scaler(init_scale=2.0, growth_interval=1000)
+    assert scaler.unscale_and_check(grads)
+    scaler.update()
+    base[...] = 8.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        view.shape, view.strides = (2, 2), (4, 4)  # elements 0, 1, 1, 2: the middle one twice
+    with pytest.raises(GradientValueError, match="overlap in memory"):
+        scaler.unscale_and_check(grads)
+    assert base.tolist() == [8.0] * 8
+
+
+@layout_changes
 def test_array_made_read_only_after_first_call_is_refused_on_next_call() -> None:
     scaler = make_scaler(init_scale=4.0, growth_interval=1000)
     kept, frozen_later = new_array(8.0), new_array(8.0)
@@ -304,6 +340,30 @@ def test_dict_with_same_arrays_under_other_keys_reports_the_new_names() -> None:
     scaler.update()
     assert not scaler.unscale_and_check({"weight": clean, "bias": broken})  # same arrays, renamed
     assert scaler.nonfinite_gradients() == ["bias"]
+
+
+def test_keys_that_compare_equal_are_reported_as_passed() -> None:
+    # 1, True and 1.0 are equal dict keys; a remembered call must not answer with another call's key.
+    scaler = make_scaler()
+    broken = new_array(INF)
+    for key in (1, True, 1.0):
+        assert not scaler.unscale_and_check({key: broken})
+        (reported,) = scaler.nonfinite_gradients()
+        assert reported == key and type(reported) is type(key)
+        scaler.update()
+        broken[...] = INF
+
+
+def test_a_key_that_looks_like_an_internal_marker_is_an_ordinary_key() -> None:
+    scaler = make_scaler(init_scale=4.0, growth_interval=1000)
+    in_set, in_dict = new_array(8.0), new_array(INF)
+    gradient_set = GradientSet([in_set])
+    for _ in range(2):
+        assert scaler.unscale_and_check(gradient_set)
+        assert not scaler.unscale_and_check({"<GradientSet>": in_dict})
+        assert scaler.nonfinite_gradients() == ["<GradientSet>"]
+        scaler.update()
+    np.testing.assert_array_equal(in_set, new_array(1.0))  # 8 / 4, then / 2 after the backoff
 
 
 def test_dead_gradient_then_none_at_its_position_is_not_mistaken_for_the_cached_call() -> None:

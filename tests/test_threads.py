@@ -1,0 +1,85 @@
+"""One scaler used from several threads at once: calls are serialized, and no memory is unscaled twice."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cupy_amp import DuplicateGradientError, GradScaler, numpy_backend
+
+
+@pytest.fixture
+def slow_multiply(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every in-place multiply take a while, so that two calls would overlap in time."""
+    real = numpy_backend._multiply
+
+    def multiply(array: np.ndarray, factor: Any) -> None:
+        time.sleep(0.02)
+        real(array, factor)
+
+    monkeypatch.setattr(numpy_backend, "_multiply", multiply)
+
+
+def run_together(*bodies: Any) -> list[Any]:
+    """Start every body at once, each in its own thread; return what each returned or raised."""
+    barrier = threading.Barrier(len(bodies))
+    results: list[Any] = [None] * len(bodies)
+
+    def target(index: int) -> None:
+        barrier.wait()
+        try:
+            results[index] = bodies[index]()
+        except Exception as exc:
+            results[index] = exc
+
+    threads = [threading.Thread(target=target, args=(index,)) for index in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return results
+
+
+@pytest.mark.usefixtures("slow_multiply")
+def test_two_threads_passing_the_same_list_divide_it_once() -> None:
+    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+    grads = [np.full(3, 8.0, np.float32) for _ in range(4)]
+    results = run_together(lambda: scaler.unscale_and_check(grads), lambda: scaler.unscale_and_check(grads))
+    assert sorted(type(result).__name__ for result in results) == ["DuplicateGradientError", "bool"]
+    assert True in results
+    assert all(isinstance(r, DuplicateGradientError) for r in results if r is not True)
+    assert [g.tolist() for g in grads] == [[2.0] * 3] * 4  # divided once, not twice
+    scaler.update()
+    assert scaler.stats().steps == 1
+
+
+@pytest.mark.usefixtures("slow_multiply")
+def test_two_threads_with_disjoint_gradients_both_count_in_one_step() -> None:
+    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+    first, second = [np.full(3, 8.0, np.float32)], [np.array([np.inf], np.float32)]
+    results = run_together(lambda: scaler.unscale_and_check(first), lambda: scaler.unscale_and_check(second))
+    assert results == [True, False]
+    assert scaler.had_overflow() is True
+    assert scaler.nonfinite_gradients() == [0]
+    scaler.update()
+    assert (scaler.stats().steps, scaler.stats().skipped_steps) == (1, 1)
+    assert first[0].tolist() == [2.0] * 3
+
+
+@pytest.mark.usefixtures("slow_multiply")
+def test_update_from_another_thread_waits_for_the_call_in_flight() -> None:
+    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+    grads = [np.full(3, 8.0, np.float32) for _ in range(5)]
+
+    def late_update() -> None:
+        time.sleep(0.03)  # the call has claimed its arrays and is multiplying
+        scaler.update()
+
+    results = run_together(lambda: scaler.unscale_and_check(grads), late_update)
+    assert results == [True, None]
+    assert scaler.stats().steps == 1
+    assert [g.tolist() for g in grads] == [[2.0] * 3] * 5
