@@ -130,7 +130,8 @@ def _module(file_name: str) -> cupy.RawModule:
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
 def _function(file_name: str, entry: str) -> Any:
-    return _module(file_name).get_function(entry).kernel  # compiled for the current device
+    function = _module(file_name).get_function(entry)
+    return getattr(function, "kernel", function)  # a RawKernel's compiled function for the current device
 
 
 class _Launcher:

@@ -12,7 +12,7 @@ from helpers import assert_same_bits as assert_array_bits
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_amp import GradScaler, cupy_backend  # noqa: E402
+from cupy_amp import CommunicatorError, DuplicateGradientError, GradientValueError, GradScaler, cupy_backend  # noqa: E402
 
 UINT = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
 NAN_PAYLOADS = {
@@ -432,3 +432,164 @@ def test_two_threads_on_one_stream_each_get_their_own_verdict(kinds: tuple[str, 
         thread.join()
     for kind, seen in zip(kinds, verdicts):
         assert seen == [kind == "clean"] * rounds, kind
+
+
+# Hardening: what could once kill the CUDA context, race, or divide twice
+
+
+class Exported:
+    """A foreign CUDA array: only ``__cuda_array_interface__``, at any address, possibly read-only."""
+
+    def __init__(self, pointer: int, size: int, read_only: bool = False) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "<f4",
+            "data": (pointer, read_only),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def assert_context_alive() -> None:
+    probe = cupy.arange(8, dtype=cupy.float32)
+    assert float(probe.sum()) == 28.0
+    grads = [cupy.full(1000, 8.0, cupy.float32)]
+    assert GradScaler(init_scale=4.0).unscale_and_check(grads)
+    assert float(grads[0][-1]) == 2.0
+
+
+@pytest.mark.parametrize("offset", [1, 2, 3])
+def test_a_misaligned_pointer_is_refused_before_any_launch(offset: int) -> None:
+    base = cupy.full(16, 8.0, dtype=cupy.float32)
+    misaligned = cupy.ndarray((4,), cupy.float32, base.data + offset)
+    scaler = GradScaler(init_scale=4.0)
+    with pytest.raises(GradientValueError, match="misaligned") as info:
+        scaler.unscale_and_check([base[8:], misaligned])
+    assert "gradient #1" in str(info.value)
+    with pytest.raises(GradientValueError, match="misaligned"):
+        scaler.scale_loss(misaligned)
+    with pytest.raises(GradientValueError, match="misaligned"):
+        scaler.unscale_and_check([Exported(base.data.ptr + offset, 4)])
+    assert_context_alive()
+    assert float(base[0]) == 8.0 and float(base[-1]) == 8.0  # nothing was written
+
+
+def test_an_export_marked_read_only_is_refused() -> None:
+    base = cupy.full(4, 8.0, dtype=cupy.float32)
+    with pytest.raises(GradientValueError, match="read-only"):
+        GradScaler().unscale_and_check([Exported(base.data.ptr, 4, read_only=True)])
+    assert GradScaler(init_scale=4.0).unscale_and_check([Exported(base.data.ptr, 4)])
+    assert float(base[0]) == 2.0
+
+
+def test_an_array_whose_elements_overlap_is_refused_on_the_gpu_too() -> None:
+    base = cupy.arange(1.0, 17.0, dtype=cupy.float32)
+    tricky = cupy.lib.stride_tricks.as_strided(base, shape=(3, 3), strides=(4, 4))
+    with pytest.raises(GradientValueError, match="overlap in memory"):
+        GradScaler(init_scale=2.0).unscale_and_check([tricky])
+    assert base.get().tolist() == list(range(1, 17))
+
+
+def test_two_threads_passing_the_same_list_divide_it_once_on_the_gpu() -> None:
+    import threading
+
+    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+    grads = [cupy.full(1 << 20, 8.0, cupy.float32) for _ in range(8)]
+    barrier = threading.Barrier(2)
+    outcomes: list[object] = []
+
+    def call() -> None:
+        barrier.wait()
+        try:
+            outcomes.append(scaler.unscale_and_check(grads))
+        except DuplicateGradientError as exc:
+            outcomes.append(exc)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(type(outcome).__name__ for outcome in outcomes) == ["DuplicateGradientError", "bool"]
+    assert all(float(cupy.max(g)) == float(cupy.min(g)) == 2.0 for g in grads)
+
+
+def test_a_call_that_fails_while_waiting_counts_and_its_arrays_are_never_divided_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    grads = [cupy.full(1000, 8.0, cupy.float32)]
+    scaler = GradScaler(init_scale=4.0)
+    real = cupy_backend.Unscaled.result
+
+    def lost(self: object) -> object:
+        raise RuntimeError("the device went away while the kernels ran")
+
+    monkeypatch.setattr(cupy_backend.Unscaled, "result", lost)
+    with pytest.raises(RuntimeError, match="went away"):
+        scaler.unscale_and_check(grads)
+    monkeypatch.setattr(cupy_backend.Unscaled, "result", real)
+    with pytest.raises(DuplicateGradientError):
+        scaler.unscale_and_check(grads)
+    cupy.cuda.Device().synchronize()
+    assert float(grads[0][0]) == 2.0  # the kernel ran once
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1
+    assert scaler.unscale_and_check(grads)
+    assert float(grads[0][0]) == 1.0
+
+
+def test_flag_memory_does_not_grow_with_the_number_of_streams() -> None:
+    device = cupy.cuda.Device().id
+    scaler = GradScaler(init_scale=2.0, growth_interval=1000)
+    for _ in range(30):
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            assert scaler.unscale_and_check([cupy.ones(100, cupy.float32)])
+            scaler.update()
+        del stream
+    assert len(cupy_backend._spare_flags[device]) <= 2
+
+
+class GarbageVote:
+    """A device vote that writes what it is told into the agreed flag."""
+
+    def __init__(self, agreed: int) -> None:
+        self.agreed = agreed
+
+    def reduce_max(self, flags: object, stream: object) -> None:
+        flags[1:2] = self.agreed  # type: ignore[index]
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        return local_overflow
+
+
+def test_a_device_vote_that_is_no_maximum_is_a_communicator_error() -> None:
+    grads = [cupy.ones(10, cupy.float32)]
+    grads[0][3] = cupy.inf
+    scaler = GradScaler(init_scale=2.0, comm=GarbageVote(0))  # "nobody overflowed", against this rank's inf
+    with pytest.raises(CommunicatorError, match="not a maximum"):
+        scaler.unscale_and_check(grads)
+    assert scaler.had_overflow() is True
+    honest = GradScaler(init_scale=2.0, comm=GarbageVote(0))
+    assert honest.unscale_and_check([cupy.ones(10, cupy.float32)]) is True
+
+
+@pytest.mark.multi_gpu
+def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_launch() -> None:
+    if device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+    grads = []
+    for device in (0, 1):
+        with cupy.cuda.Device(device):
+            grads.append(cupy.full(10, 8.0, cupy.float32))
+    votes: list[bool] = []
+
+    class CountingVote(GarbageVote):
+        def host_vote(self, local_overflow: bool) -> bool:
+            votes.append(local_overflow)
+            return True
+
+    with pytest.raises(GradientValueError, match="one device"):
+        GradScaler(init_scale=2.0, comm=CountingVote(0)).unscale_and_check(grads)
+    assert votes == [True]  # voted "overflow" once, from the host
+    assert [float(g[0]) for g in grads] == [8.0, 8.0]
