@@ -220,8 +220,12 @@ def _layout(array: cupy.ndarray) -> list[int]:
 
 
 def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
-    """Make ``device_id`` current for a block; free when it already is (the usual case)."""
-    if cupy.cuda.runtime.getDevice() == device_id:
+    """Make ``device_id`` and its context current for a block; free when they already are (the usual case).
+
+    The launches are driver calls, which need a current context: a new thread
+    has none until something makes the device current.
+    """
+    if cupy.cuda.runtime.getDevice() == device_id and cupy.cuda.driver.ctxGetCurrent():
         return contextlib.nullcontext()
     device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)
     return device

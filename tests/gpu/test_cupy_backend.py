@@ -151,23 +151,16 @@ def test_element_that_only_becomes_inf_is_not_an_overflow() -> None:
     assert_same_bits(host, device)
 
 
-def test_zero_scale_generates_the_same_nan_bits() -> None:
-    grads = [np.array([0.0, 1.0, -0.0, np.inf], dtype=t) for t in (np.float16, np.float32, np.float64)]
-    cpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
-    gpu = GradScaler(init_scale=2.0**-149, backoff_factor=0.5, min_scale=None, max_scale=None)
-    for scaler in (cpu, gpu):
-        scaler.unscale_and_check(
-            [np.array([np.inf], dtype=np.float32)]
-            if scaler is cpu
-            else [cupy.asarray(np.array([np.inf], dtype=np.float32))]
-        )
-        scaler.update()
-        assert scaler.scale_factor() == 0.0
-    host = [g.copy() for g in grads]
-    device = [cupy.asarray(g) for g in grads]
-    assert not cpu.unscale_and_check(host)
-    assert not gpu.unscale_and_check(device)
+def test_at_the_smallest_scale_the_gpu_gives_numpys_bits() -> None:
+    # The inverse is float32's near-maximum: fp16 results overflow to inf, tiny ones stay subnormal.
+    smallest = float.fromhex("0x1.000008p-128")
+    grads = [np.array([0.0, 1.0, -0.0, np.inf, 2.0**-140, -(2.0**-130)], dtype=t) for t in (np.float32, np.float64)]
+    grads.append(np.array([0.0, 1.0, -0.0, np.inf, 6e-8], dtype=np.float16))
+    cpu, gpu, cpu_ok, gpu_ok, host, device = unscale_both(grads, scale=smallest)
+    assert not cpu_ok and not gpu_ok
+    assert gpu.nonfinite_gradients() == cpu.nonfinite_gradients() == [0, 1, 2]
     assert_same_bits(host, device)
+    assert not np.isnan(cupy.asnumpy(device[0])).any()  # no 0 * inf: the inverse is finite
 
 
 def test_empty_arrays_and_empty_lists() -> None:
@@ -378,9 +371,10 @@ def test_torch_cuda_tensors_are_unscaled_zero_copy() -> None:
     assert not scaler.unscale_and_check({"w": grad})
     assert scaler.nonfinite_gradients() == ["w"]
     assert float(grad[0]) == 2.0
+    scaler.update()  # backed off to 2.0
     loss = torch.tensor(1.5, device="cuda")
     scaler.scale_loss(loss)
-    assert float(loss) == 6.0
+    assert float(loss) == 3.0
 
 
 def test_import_compiles_nothing() -> None:
