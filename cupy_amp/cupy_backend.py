@@ -151,13 +151,12 @@ class _Launcher:
         self._addresses = (int(function.ptr), self._params.ctypes.data)
         self._lock = threading.Lock()
 
-    def __call__(self, grid: int, **values: Any) -> None:
-        """Launch on the current stream (asynchronous: never synchronizes)."""
+    def __call__(self, grid: int, stream: int, **values: Any) -> None:
+        """Launch on ``stream`` (a stream pointer) with ``values`` for the changing fields; never synchronizes."""
         function, params = self._addresses
         with self._lock:
             for name, value in values.items():
                 self._fields[name][0] = value
-            stream = cupy.cuda.get_current_stream().ptr
             cupy.cuda.driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, params, 0)
 
 
@@ -225,9 +224,11 @@ def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
     The launches are driver calls, which need a current context: a new thread
     has none until something makes the device current.
     """
-    if cupy.cuda.runtime.getDevice() == device_id and cupy.cuda.driver.ctxGetCurrent():
+    if cupy.cuda.runtime.getDevice() == device_id:
+        if not cupy.cuda.driver.ctxGetCurrent():
+            cupy.cuda.runtime.setDevice(device_id)  # makes the device's primary context current in this thread
         return contextlib.nullcontext()
-    device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)
+    device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)  # switches, context included
     return device
 
 
@@ -243,6 +244,7 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32) -> None:
         chunk = CHUNK_BYTES // loss.itemsize
         _scale_launcher(_DTYPE_NAMES[loss.dtype])(
             min(-(-loss.size // chunk), _MAX_GRID),
+            cupy.cuda.get_current_stream().ptr,
             base=base,
             numel=loss.size,
             layout=0 if layout is None else layout.data.ptr,
@@ -395,16 +397,18 @@ def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32
     epoch = next(_epochs) % (2**31 - 1) + 1
     launched: dict[int, tuple[Any, _Flags]] = {}
     for group in plan:
-        with _on_device(group.device):
-            if group.device not in launched:
+        if group.device not in launched:
+            with _on_device(group.device):
                 stream = cupy.cuda.get_current_stream()
                 launched[group.device] = (stream, _take_flags(group.device))
-                if voting:
-                    cupy.cuda.runtime.memsetAsync(launched[group.device][1].device.data.ptr, 0, 8, stream.ptr)
-            flags = launched[group.device][1]
-            if group.table.launch is not None:
-                found = flags.device.data.ptr if voting else flags.mapped
-                group.table.launch(min(group.table.chunk_count, _MAX_GRID), inv_scale=inverse, epoch=epoch, found=found)
+        stream, flags = launched[group.device]
+        if voting and group is plan[0]:
+            cupy.cuda.runtime.memsetAsync(flags.device.data.ptr, 0, 8, stream.ptr)
+        if group.table.launch is not None:
+            found = flags.device.data.ptr if voting else flags.mapped
+            grid = min(group.table.chunk_count, _MAX_GRID)
+            with _on_device(group.device):
+                group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found)
     return Unscaled(plan, launched, epoch, voting)
 
 
@@ -437,18 +441,17 @@ class Unscaled:
         local, agreed = False, None
         culprits: list[int] = []
         for device, (stream, flags) in self._launched.items():
-            with _on_device(device):
-                if self._voting:
-                    cupy.cuda.runtime.memcpyAsync(
-                        flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost,
-                        stream.ptr,
-                    )  # fmt: skip
-                stream.synchronize()
-                local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
-                if self._voting:
-                    agreed = device_answer(local_flag, agreed_flag)
-                if local_flag == self._epoch:
-                    local = True
+            if self._voting:
+                cupy.cuda.runtime.memcpyAsync(
+                    flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
+                )
+            stream.synchronize()
+            local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
+            if self._voting:
+                agreed = device_answer(local_flag, agreed_flag)
+            if local_flag == self._epoch:
+                local = True
+                with _on_device(device):
                     for group in self._plan:
                         if group.device == device:
                             seen = group.table.tensor_found.get(stream=stream)

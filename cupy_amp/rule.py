@@ -53,9 +53,9 @@ def to_float32(value: float) -> float:
 
 
 def inverse_scale(scale: float) -> np.float32:
-    """Return ``float32(1 / float64(scale))``, finite for every scale the scaler can hold."""
+    """Return ``float32(1 / float64(scale))``, finite for every scale the scaler can hold (>= SMALLEST_SCALE)."""
     # np.float32(...) is typed as returning Any by NumPy's stubs.
-    return cast(np.float32, np.float32(to_float32(1.0 / scale)))
+    return cast(np.float32, np.float32(1.0 / scale))
 
 
 def _invalid(error: type[Exception], name: str, expected: str, got: object) -> Exception:
