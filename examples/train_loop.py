@@ -4,15 +4,25 @@ Run with NumPy:  python examples/train_loop.py
 Run with CuPy:   python examples/train_loop.py --gpu
 """
 
+import argparse
 import sys
 
 import numpy as np
 
 from cupy_amp import GradScaler
 
+parser = argparse.ArgumentParser(description="Train a two-layer classifier in fp16 with cupy-amp's GradScaler.")
+parser.add_argument("--gpu", action="store_true", help="run on a GPU through CuPy (default: the CPU through NumPy)")
 xp = np
-if "--gpu" in sys.argv:
-    import cupy as xp
+if parser.parse_args().gpu:
+    try:
+        import cupy as xp
+
+        xp.arange(2).sum()  # a GPU and a working CUDA install, not just the package
+    except Exception as exc:
+        sys.exit(
+            f"--gpu: no usable GPU ({type(exc).__name__}: {str(exc).splitlines()[0]}); run without --gpu for the CPU"
+        )
 np.seterr(over="ignore", invalid="ignore")  # fp16 overflow is expected now and then: the scaler catches it
 
 rng = np.random.default_rng(0)

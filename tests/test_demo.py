@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import subprocess
@@ -13,14 +14,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import saved_arrays
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.cli import main
-from cupy_amp.demo.data import batch_indices
-from cupy_amp.demo.device import select_device
-from cupy_amp.demo.options import ScalerSettings, Settings
-from cupy_amp.demo.report import Reporter
-from cupy_amp.demo.train import StepOutcome, Trainer, make_scaler, new_state
+from cupy_amp.demo.command import Reporter
+from cupy_amp.demo.model import batch_indices
+from cupy_amp.demo.settings import ScalerSettings, Settings
+from cupy_amp.demo.training import StepOutcome, Trainer, make_scaler, new_state, select_device
 from tests.conftest import gpu_unavailable_reason
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -41,11 +42,6 @@ def demo(*args: str) -> Result:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(["demo", "--device", "cpu", *args])
     return Result(status, out.getvalue(), err.getvalue())
-
-
-def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
-    with np.load(directory / "state.npz", allow_pickle=False) as npz:
-        return {key: npz[key] for key in npz.files}
 
 
 @pytest.fixture(scope="module")
@@ -293,7 +289,7 @@ def test_batches_are_a_function_of_seed_and_step_only() -> None:
 def test_fp32_training_does_not_depend_on_a_power_of_two_loss_weight() -> None:
     """The --help claim: Adam's epsilon scales with the loss weight, so fp32 training is unchanged (here exactly)."""
     device, _ = select_device("cpu")
-    from cupy_amp.demo.data import load_dataset
+    from cupy_amp.demo.model import load_dataset
 
     dataset = load_dataset("builtin", 0)
     masters = []
@@ -309,7 +305,7 @@ def test_fp32_training_does_not_depend_on_a_power_of_two_loss_weight() -> None:
 
 def test_a_disabled_scaler_makes_the_loop_plain_fp16() -> None:
     device, _ = select_device("cpu")
-    from cupy_amp.demo.data import load_dataset
+    from cupy_amp.demo.model import load_dataset
 
     dataset = load_dataset("builtin", 0)
     settings = Settings()
@@ -341,9 +337,10 @@ def test_importing_the_cli_imports_neither_cupy_nor_the_demo_machinery() -> None
     code = (
         "import sys; import cupy_amp.cli; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('cupy', 'matplotlib', 'sklearn') "
-        "or m.startswith('cupy_amp.demo.') and m != 'cupy_amp.demo.options'))"
+        "or m.startswith('cupy_amp.demo')))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=True)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), check=False)
+    assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
 
 
@@ -392,3 +389,79 @@ def test_the_example_script_trains(tmp_path: Path) -> None:
     assert last.startswith("step 300: ")
     accuracy = float(re.search(r"accuracy ([\d.]+)%", last).group(1))  # type: ignore[union-attr]
     assert accuracy > 90
+
+
+@pytest.mark.parametrize(
+    ("group", "name", "value", "shown"),
+    [
+        ("run", "lr", float("nan"), "lr=nan"),
+        ("run", "batch_size", 0, "batch_size=0"),
+        ("run", "seed", "/etc/passwd", "seed='/etc/passwd'"),
+        ("run", "hidden", [64, -1], "hidden=(64, -1)"),
+        ("run", "data", "imagenet", "data='imagenet'"),
+        ("scaler", "init_scale", float("nan"), "Invalid 'init_scale'"),
+        ("scaler", "growth_interval", 0, "Invalid 'growth_interval'"),
+    ],
+)
+def test_resume_validates_every_setting_it_reads_back(
+    tmp_path: Path, group: str, name: str, value: object, shown: str
+) -> None:
+    assert demo("--steps", "3", "--out", str(tmp_path)).status == 0
+    arrays = saved_arrays(tmp_path)
+    document = json.loads(str(arrays["settings"]))
+    document[group][name] = value
+    arrays["settings"] = np.array(json.dumps(document))
+    np.savez(tmp_path / "state.npz", **arrays)
+    result = demo("--resume", str(tmp_path), "--steps", "6")
+    assert result.status == 1
+    assert result.err.startswith(f"cupy-amp demo: cannot resume from {tmp_path}: ")
+    assert shown in result.err
+    assert "Traceback" not in result.err
+    assert result.out == ""  # refused before training
+
+
+def test_resume_refuses_a_state_file_with_unknown_settings(tmp_path: Path) -> None:
+    assert demo("--steps", "3", "--out", str(tmp_path)).status == 0
+    arrays = saved_arrays(tmp_path)
+    document = json.loads(str(arrays["settings"]))
+    document["run"]["momentum"] = 0.9
+    arrays["settings"] = np.array(json.dumps(document))
+    np.savez(tmp_path / "state.npz", **arrays)
+    result = demo("--resume", str(tmp_path), "--steps", "6")
+    assert result.status == 1
+    assert "momentum" in result.err
+    assert "Traceback" not in result.err
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("loss.xyz", "matplotlib writes"), ("loss", "matplotlib writes"), ("absent/loss.png", "does not exist")],
+)
+def test_plot_checks_its_path_and_format_before_training(tmp_path: Path, name: str, message: str) -> None:
+    pytest.importorskip("matplotlib", reason='matplotlib is the optional "demo" extra (pip install "cupy-amp[demo]")')
+    result = demo("--steps", "20", "--plot", str(tmp_path / name))
+    assert result.status == 2
+    assert message in result.err
+    assert result.out == ""  # nothing was trained
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize(("extension", "magic"), [("svg", b"<?xml"), ("pdf", b"%PDF")])
+def test_plot_writes_the_format_its_extension_names(tmp_path: Path, extension: str, magic: bytes) -> None:
+    pytest.importorskip("matplotlib", reason='matplotlib is the optional "demo" extra (pip install "cupy-amp[demo]")')
+    target = tmp_path / f"loss.{extension}"
+    assert demo("--steps", "20", "--plot", str(target)).status == 0
+    assert target.read_bytes().startswith(magic)
+
+
+def test_the_example_script_has_help_and_a_one_line_error_without_a_gpu(tmp_path: Path) -> None:
+    script = str(REPO_ROOT / "examples" / "train_loop.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=_env(), check=False)
+    assert shown.returncode == 0 and "--gpu" in shown.stdout
+    if gpu_unavailable_reason() is None:
+        return  # a GPU is usable here: tests/gpu/test_demo_gpu.py runs the example on it
+    refused = subprocess.run([sys.executable, script, "--gpu"], capture_output=True, text=True, env=_env(), check=False)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("--gpu: no usable GPU")
+    assert len(refused.stderr.splitlines()) == 1
+    assert refused.stdout == ""

@@ -1,47 +1,85 @@
-"""``cupy-amp demo``: put the pieces together, from flags to the final summary."""
+"""``cupy-amp demo``: from flags to the final summary; the log, the comparison, the plot and the saved run.
+
+A run is saved as ``scaler.ckpt`` (the scaler's checkpoint) beside ``state.npz``
+(everything else), each replaced atomically. The scaler file is written first
+and carries the step count, so a crash between the two writes is detected on
+resume instead of resuming a mix. Every setting read back is validated as a
+flag would be.
+"""
 
 from __future__ import annotations
 
 import argparse
+import io
+import json
+import os
 import time
-from dataclasses import dataclass
+import zipfile
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
-from cupy_amp.demo.data import Dataset, load_dataset
-from cupy_amp.demo.device import Device, select_device, small_matrix_threads
-from cupy_amp.demo.options import (
+import numpy as np
+
+from cupy_amp._fileio import read_regular_file, write_file_atomic
+from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.demo.model import Adam, Dataset, load_dataset, parameter_names
+from cupy_amp.demo.settings import (
     DEFAULT_STEPS,
     DemoError,
     DemoUsageError,
     ScalerSettings,
     Settings,
-    format_power,
+    check_settings,
     settings_from_args,
+    show,
 )
-from cupy_amp.demo.plot import require_matplotlib, save_plot
-from cupy_amp.demo.report import Reporter, RunSummary, format_scale, summary_table
-from cupy_amp.demo.state import SCALER_FILE, STATE_FILE, load_run, save_run
-from cupy_amp.demo.train import (
+from cupy_amp.demo.training import (
+    ADAM_EPS,
     MODES,
+    Device,
     History,
     RunState,
     StepOutcome,
     Trainer,
-    build_scaler,
+    Underflow,
     make_scaler,
     new_state,
     run_steps,
+    select_device,
+    small_matrix_threads,
 )
-from cupy_amp.errors import ConfigError
+from cupy_amp.errors import CheckpointError, ConfigError
 from cupy_amp.scaler import GradScaler
 
-__all__ = ["run"]
+__all__ = ["SCALER_FILE", "STATE_FILE", "Reporter", "RunSummary", "run"]
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
+SCALER_FILE = "scaler.ckpt"
+STATE_FILE = "state.npz"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
+    """Run the demo for parsed ``args``, writing the report to ``out`` and errors to ``err``; return the exit status."""
+    reporter = Reporter(out, log_every=args.log_every)
+    progress: dict[str, int] = {}
+    try:
+        plan = _plan(args)
+        with small_matrix_threads(plan.device):
+            _train(args, plan, reporter, progress)
+    except DemoUsageError as exc:
+        reporter.end_progress()
+        err.write(f"cupy-amp demo: error: {exc}\n")
+        return EXIT_USAGE
+    except (DemoError, OSError) as exc:
+        reporter.end_progress()
+        err.write(f"cupy-amp demo: {exc}\n")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        reporter.end_progress()
+        err.write(_interrupted(args, progress))
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 @dataclass
@@ -58,41 +96,15 @@ class _Plan:
     state: RunState
     out: Path | None
     resumed_from: Path | None
-
-
-def run(args: argparse.Namespace, out: TextIO, err: TextIO) -> int:
-    """Run the demo for parsed ``args``, writing the report to ``out`` and errors to ``err``; return the exit status."""
-    reporter = Reporter(out, log_every=args.log_every)
-    progress: dict[str, int] = {}
-    try:
-        plan = _plan(args)
-        with small_matrix_threads(plan.device):
-            _train(args, plan, reporter, progress)
-    except DemoUsageError as exc:
-        reporter.end_progress()
-        err.write(f"cupy-amp demo: error: {exc}\n")
-        return EXIT_USAGE
-    except DemoError as exc:
-        reporter.end_progress()
-        err.write(f"cupy-amp demo: {exc}\n")
-        return EXIT_FAILED
-    except OSError as exc:
-        reporter.end_progress()
-        err.write(f"cupy-amp demo: {exc}\n")
-        return EXIT_FAILED
-    except KeyboardInterrupt:
-        reporter.end_progress()
-        err.write(_interrupted_message(args, progress))
-        return EXIT_INTERRUPTED
-    return EXIT_OK
+    plot_format: str | None
 
 
 def _plan(args: argparse.Namespace) -> _Plan:
+    """Check everything that can be checked before training: flags, saved files, the plot's path, the device."""
     if args.compare and args.resume:
         raise DemoUsageError("--compare trains all three runs from step 0; it cannot be combined with --resume")
-    if args.plot:
-        require_matplotlib()
-    saved = load_run(args.resume) if args.resume else None
+    plot_format = _plot_format(args.plot) if args.plot else None
+    saved = _load_run(Path(args.resume)) if args.resume else None
     settings, scaler_settings = settings_from_args(
         args, saved.settings if saved else None, saved.scaler_settings if saved else None
     )
@@ -103,14 +115,16 @@ def _plan(args: argparse.Namespace) -> _Plan:
             "to continue it"
         )
     out = Path(args.out) if args.out else (Path(args.resume) if args.resume else None)
-    continuing_in_place = saved is not None and out is not None and out.resolve() == Path(args.resume).resolve()
-    if out is not None and not continuing_in_place and (out / STATE_FILE).exists():
+    in_place = saved is not None and out is not None and out.resolve() == Path(args.resume).resolve()
+    if out is not None and not in_place and (out / STATE_FILE).exists():
         raise DemoUsageError(
             f"{out} already holds a demo run; continue it with --resume {out}, or choose another --out directory"
         )
     try:
-        scaler = build_scaler(scaler_settings)
+        scaler = GradScaler(**asdict(scaler_settings))
     except ConfigError as exc:
+        if saved is not None:  # flags were checked by the parser: this is a saved run's setting
+            raise DemoError(f"cannot resume from {args.resume}: {STATE_FILE} holds invalid settings: {exc}") from None
         raise DemoUsageError(f"scaler parameters: {exc}") from None
     device, gpu_note = select_device(args.device)
     dataset = load_dataset(settings.data, settings.seed)
@@ -118,67 +132,61 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise DemoUsageError(
             f"--batch-size {settings.batch_size} is larger than the {len(dataset.y_train)} training examples"
         )
+    fresh = new_state(device, settings, dataset)
+    state = fresh
     if saved is not None:
         scaler.load_checkpoint(saved.scaler)
         state = saved.to_device(device)
-        _check_shapes(state, new_state(device, settings, dataset), args.resume)
-    else:
-        state = new_state(device, settings, dataset)
-    return _Plan(
-        settings,
-        scaler_settings,
-        steps,
-        device,
-        gpu_note,
-        dataset,
-        scaler,
-        state,
-        out,
-        Path(args.resume) if args.resume else None,
-    )
-
-
-def _check_shapes(state: RunState, fresh: RunState, directory: str) -> None:
-    for name, master in fresh.masters.items():
-        if state.masters[name].shape != master.shape:
-            raise DemoError(
-                f"cannot resume from {directory}: {name} has shape {state.masters[name].shape}, "
-                f"the model needs {master.shape}"
-            )
+        for name, master in fresh.masters.items():
+            if state.masters[name].shape != master.shape:
+                raise DemoError(f"cannot resume from {args.resume}: {name} has shape {state.masters[name].shape}")
+    resumed = Path(args.resume) if args.resume else None
+    return _Plan(settings, scaler_settings, steps, device, gpu_note, dataset, scaler, state, out, resumed, plot_format)
 
 
 def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: dict[str, int]) -> None:
-    _print_header(plan, reporter)
     settings, scaler = plan.settings, plan.scaler
+    _print_header(plan, reporter)
     trainer = Trainer("amp", settings, plan.dataset, plan.device, plan.state, scaler, measure_underflow=args.compare)
-    interval = plan.scaler_settings.growth_interval
     progress["step"] = plan.state.step
     if plan.resumed_from is not None:
         progress["saved"] = plan.state.step
 
     def on_step(outcome: StepOutcome) -> None:
         progress["step"] = outcome.step
-        reporter.event(outcome, interval)
+        reporter.event(outcome, plan.scaler_settings.growth_interval)
         reporter.progress(outcome, plan.steps)
         if plan.out is not None and (outcome.step % args.save_every == 0 or outcome.step == plan.steps):
-            save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
+            _save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
             progress["saved"] = outcome.step
 
-    started = time.perf_counter()
-    first = plan.state.step
+    started, first = time.perf_counter(), plan.state.step
     run_steps(trainer, plan.steps, on_step)
     seconds = time.perf_counter() - started
     reporter.end_progress()
     eval_loss, eval_accuracy = trainer.evaluate()
-    _print_result(plan, reporter, plan.steps - first, seconds, eval_loss, eval_accuracy)
-
+    stats = scaler.stats()
+    total = plan.state.step
+    reporter.line(
+        f"done     {plan.steps - first} steps in {seconds:.1f} s; {stats.skipped_steps} of {total} steps skipped "
+        f"({100 * stats.skipped_steps / total:.1f}%)"
+    )
+    reporter.line(
+        f"eval     accuracy {100 * eval_accuracy:.1f}% (chance {100 / plan.dataset.classes:.1f}%), "
+        f"loss {eval_loss:.4f} on {len(plan.dataset.y_eval)} held-out examples"
+    )
+    reporter.line(
+        f"scaler   final scale {show(stats.scale)}; {stats.backoffs} backoffs, {stats.growths} growths, "
+        f"{stats.consecutive_good_steps} clean steps since the last change"
+    )
     others: dict[str, History] = {}
     if args.compare:
-        main = RunSummary("amp", eval_accuracy, eval_loss, scaler.stats().skipped_steps, trainer.underflow)
-        others = _compare(plan, reporter, main)
+        others = _compare(
+            plan, reporter, RunSummary("amp", eval_accuracy, eval_loss, stats.skipped_steps, trainer.underflow)
+        )
     if args.plot:
         title = f"cupy-amp demo: {plan.dataset.description.split(' (')[0]}, seed {settings.seed}"
-        save_plot(args.plot, plan.state.history, others, title)
+        _save_plot(args.plot, plan.plot_format or "png", plan.state.history, others, title)
         reporter.line(f"plot     {args.plot}")
     if plan.out is not None:
         reporter.line(
@@ -198,73 +206,352 @@ def _print_header(plan: _Plan, reporter: Reporter) -> None:
         f"model    MLP {sizes}: fp16 weights and activations, fp32 master weights, Adam (lr {settings.lr}), "
         f"batch {settings.batch_size}"
     )
-    reporter.line(f"loss     batch-mean cross-entropy x {format_power(settings.loss_weight)} (--loss-weight)")
+    reporter.line(f"loss     batch-mean cross-entropy x {show(settings.loss_weight)} (--loss-weight)")
     reporter.line(
-        f"scaler   init {format_power(scaler.init_scale)}, x{scaler.growth_factor} after {scaler.growth_interval} "
-        f"clean steps, x{scaler.backoff_factor} on overflow, min {format_power(scaler.min_scale)}, "
-        f"max {format_power(scaler.max_scale)}, hysteresis {scaler.hysteresis}"
+        f"scaler   init {show(scaler.init_scale)}, x{scaler.growth_factor} after {scaler.growth_interval} "
+        f"clean steps, x{scaler.backoff_factor} on overflow, min {show(scaler.min_scale)}, "
+        f"max {show(scaler.max_scale)}, hysteresis {scaler.hysteresis}"
     )
     if plan.resumed_from is not None:
         reporter.line(
             f"resumed  from {plan.resumed_from} at step {plan.state.step} "
-            f"(scale {format_scale(plan.scaler.scale_factor())}); training to step {plan.steps}"
+            f"(scale {show(plan.scaler.scale_factor())}); training to step {plan.steps}"
         )
 
 
-def _print_result(
-    plan: _Plan, reporter: Reporter, steps_run: int, seconds: float, eval_loss: float, eval_accuracy: float
-) -> None:
-    stats = plan.scaler.stats()
-    total = plan.state.step
-    reporter.line(
-        f"done     {steps_run} steps in {seconds:.1f} s; {stats.skipped_steps} of {total} steps skipped "
-        f"({100 * stats.skipped_steps / total:.1f}%)"
-    )
-    reporter.line(
-        f"eval     accuracy {100 * eval_accuracy:.1f}% (chance {100 / plan.dataset.classes:.1f}%), "
-        f"loss {eval_loss:.4f} on {len(plan.dataset.y_eval)} held-out examples"
-    )
-    reporter.line(
-        f"scaler   final scale {format_scale(stats.scale)}; {stats.backoffs} backoffs, {stats.growths} growths, "
-        f"{stats.consecutive_good_steps} clean steps since the last change"
-    )
+def _interrupted(args: argparse.Namespace, progress: dict[str, int]) -> str:
+    text = f"cupy-amp demo: interrupted at step {progress.get('step', 0)}"
+    directory = args.out or args.resume
+    if directory and "saved" in progress:
+        text += (
+            f"; the last checkpoint in {directory} is at step {progress['saved']}; continue with: "
+            f"cupy-amp demo --resume {directory}" + (f" --steps {args.steps}" if args.steps else "")
+        )
+    return text + "\n"
+
+
+# The log
+
+
+class Reporter:
+    """Write progress, events and summaries to ``stream``.
+
+    On a terminal, progress is one bar redrawn in place (at most ten times a
+    second) and other lines are printed above it; elsewhere (a file, a pipe, a
+    test) progress is a plain line every ``log_every`` steps.
+    """
+
+    def __init__(self, stream: TextIO, *, log_every: int = 50, terminal: bool | None = None) -> None:
+        self.stream = stream
+        self.log_every = log_every
+        if terminal is None:
+            try:
+                terminal = stream.isatty()
+            except (AttributeError, ValueError):  # closed or file-like objects without isatty
+                terminal = False
+        self.terminal = terminal
+        self._bar_shown = False
+        self._last_draw = 0.0
+
+    def line(self, text: str = "") -> None:
+        """Print one line (above the progress bar, if one is drawn)."""
+        if self._bar_shown:
+            self.stream.write("\r\x1b[2K")
+            self._bar_shown = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def event(self, outcome: StepOutcome, growth_interval: int) -> None:
+        """Log an overflow, backoff or growth, if the step had one."""
+        parts = []
+        if outcome.nonfinite:
+            parts.append(f"overflow: inf/nan in {', '.join(outcome.nonfinite)} -> step skipped")
+        if outcome.backoff is not None:
+            parts.append(f"backoff: scale {show(outcome.backoff[0])} -> {show(outcome.backoff[1])}")
+        if outcome.growth is not None:
+            before, after = outcome.growth
+            parts.append(f"growth: scale {show(before)} -> {show(after)} after {growth_interval} clean steps")
+        if parts:
+            self.line(f"step {outcome.step:>5}  " + "; ".join(parts))
+
+    def progress(self, outcome: StepOutcome, total: int, label: str = "", every: int | None = None) -> None:
+        """Show where the run is: a redrawn bar on a terminal, else a line every ``every`` steps (0: the last only)."""
+        status = (
+            f"step {outcome.step:>{len(str(total))}}/{total}  loss {outcome.loss:.4f}  "
+            f"acc {100 * outcome.accuracy:5.1f}%  scale {show(outcome.scale)}  skipped {outcome.skipped_total}"
+        )
+        prefix = f"[{label}] " if label else ""
+        if not self.terminal:
+            every = self.log_every if every is None else every
+            if outcome.step == total or (every > 0 and outcome.step % every == 0):
+                self.line(prefix + status)
+            return
+        now = time.monotonic()
+        if outcome.step != total and now - self._last_draw < 0.1:
+            return
+        self._last_draw = now
+        filled = 24 * outcome.step // total
+        self.stream.write(f"\r\x1b[2K{prefix}[{'#' * filled}{'.' * (24 - filled)}] {status}")
+        self.stream.flush()
+        self._bar_shown = True
+
+    def end_progress(self) -> None:
+        """Leave the last drawn bar on screen as a finished line."""
+        if self._bar_shown:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._bar_shown = False
+
+
+# --compare
+
+
+@dataclass(frozen=True)
+class RunSummary:
+    """The end of one run, for the comparison table."""
+
+    mode: str
+    eval_accuracy: float
+    eval_loss: float
+    skipped: int | None
+    underflow: Underflow | None
 
 
 def _compare(plan: _Plan, reporter: Reporter, main: RunSummary) -> dict[str, History]:
-    rows = [main]
-    histories: dict[str, History] = {}
+    rows, histories = [main], {}
     for mode in ("fp16", "fp32"):
         state = new_state(plan.device, plan.settings, plan.dataset)
         scaler = make_scaler(mode, plan.scaler_settings)
         trainer = Trainer(mode, plan.settings, plan.dataset, plan.device, state, scaler, measure_underflow=True)
         label = {"fp16": "fp16, no scaling", "fp32": "fp32"}[mode]
 
-        def show(outcome: StepOutcome, label: str = label) -> None:
+        def show_progress(outcome: StepOutcome, label: str = label) -> None:
             reporter.progress(outcome, plan.steps, label, every=0)
 
         reporter.line(f"compare  training {MODES[mode]} ...")
-        run_steps(trainer, plan.steps, show)
+        run_steps(trainer, plan.steps, show_progress)
         reporter.end_progress()
         loss, accuracy = trainer.evaluate()
-        skipped = None if scaler is None else scaler.stats().skipped_steps
-        rows.append(RunSummary(mode, accuracy, loss, skipped, trainer.underflow))
+        skips = None if scaler is None else scaler.stats().skipped_steps
+        rows.append(RunSummary(mode, accuracy, loss, skips, trainer.underflow))
         histories[mode] = state.history
     reporter.line()
     reporter.line(f"compare  the same model, data and seed, {plan.steps} steps each:")
-    for text in summary_table(rows, plan.dataset.classes):
+    reporter.line(f"{'':<24}{'accuracy':>9}{'loss':>9}{'skipped':>9}{'grads zeroed in fp16':>22}")
+    for row in rows:
+        skipped = "-" if row.skipped is None else str(row.skipped)
+        zeroed = "-" if row.underflow is None else _percent(row.underflow.fraction())
+        reporter.line(
+            f"{MODES[row.mode]:<24}{100 * row.eval_accuracy:>8.1f}%{row.eval_loss:>9.3f}{skipped:>9}{zeroed:>22}"
+        )
+    reporter.line(
+        f"(held-out accuracy and loss; chance is {100 / plan.dataset.classes:.1f}%. 'grads zeroed': gradient "
+        "elements, activation and weight gradients, that were exactly 0 in the fp16 backward pass while an fp32 "
+        "backward pass from the same weights and activations had them nonzero.)"
+    )
+    for text in _verdict({row.mode: row for row in rows}, plan.dataset.classes):
         reporter.line(text)
     reporter.line()
     return histories
 
 
-def _interrupted_message(args: argparse.Namespace, progress: dict[str, int]) -> str:
-    text = f"cupy-amp demo: interrupted at step {progress.get('step', 0)}"
-    directory = args.out or args.resume
-    if directory and "saved" in progress:
-        text += (
-            f"; the last checkpoint in {directory} is at step {progress['saved']}; continue with: "
-            f"cupy-amp demo --resume {directory}"
+def _verdict(rows: dict[str, RunSummary], classes: int) -> list[str]:
+    amp, fp16, fp32 = rows["amp"], rows["fp16"], rows["fp32"]
+    if amp.underflow is None or fp16.underflow is None:
+        return []
+    activations = ["logits", *[name for name in fp16.underflow.nonzero if name.startswith("h")]]
+    gap = 100 * (amp.eval_accuracy - fp16.eval_accuracy)
+    lines = [
+        f"Without loss scaling, {_percent(fp16.underflow.fraction())} of the gradient elements underflowed to 0 "
+        f"({_percent(fp16.underflow.fraction(activations))} of the activation gradients); with it, "
+        f"{_percent(amp.underflow.fraction())}."
+    ]
+    if gap >= 5:
+        lines.append(
+            f"Here that cost {gap:.1f} points of accuracy: fp16 without scaling reached "
+            f"{100 * fp16.eval_accuracy:.1f}% (chance {100 / classes:.1f}%), fp16 with the scaler "
+            f"{100 * amp.eval_accuracy:.1f}% and fp32 {100 * fp32.eval_accuracy:.1f}%."
         )
-        if args.steps:
-            text += f" --steps {args.steps}"
-    return text + "\n"
+    elif fp16.eval_loss > 1.1 * amp.eval_loss:
+        lines.append(
+            f"fp16 without scaling still learned this task ({100 * fp16.eval_accuracy:.1f}% vs "
+            f"{100 * amp.eval_accuracy:.1f}%), but to a higher loss ({fp16.eval_loss:.3f} vs {amp.eval_loss:.3f})."
+        )
+    else:
+        lines.append(
+            "On this run, the underflow did not hurt: fp16 without scaling learned as well "
+            f"({100 * fp16.eval_accuracy:.1f}% vs {100 * amp.eval_accuracy:.1f}%). Its gradients are large enough; "
+            "lower --loss-weight to move them toward float16's smallest value, 2**-24."
+        )
+    return lines
+
+
+def _percent(fraction: float) -> str:
+    """Format a fraction as a percentage that never rounds a nonzero count to "0.0%"."""
+    percent = 100 * fraction
+    return "0%" if percent == 0 else f"{percent:.1g}%" if percent < 0.05 else f"{percent:.1f}%"
+
+
+# --plot (matplotlib is imported only here, only when asked)
+
+
+def _plot_format(path: str) -> str:
+    """Return the image format ``path`` asks for, after checking matplotlib, the format and the folder.
+
+    Raises:
+        DemoError: matplotlib is missing.
+        DemoUsageError: The extension names no format matplotlib writes, or the folder does not exist.
+    """
+    try:
+        import matplotlib  # noqa: F401  (first: a missing package must not hide behind cached submodules)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise DemoError('--plot needs matplotlib: pip install "cupy-amp[demo]" (or pip install matplotlib)') from None
+    supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    extension = Path(path).suffix.lower().lstrip(".")
+    if extension not in supported:
+        raise DemoUsageError(
+            f"--plot {path}: matplotlib writes {', '.join(sorted(supported))} files; end the name with one of "
+            "these extensions"
+        )
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise DemoUsageError(f"--plot {path}: the folder {folder} does not exist")
+    return extension
+
+
+def _save_plot(path: str, image_format: str, history: History, others: dict[str, History], title: str) -> None:
+    """Draw the loss (log axis) and the loss scale (log2 axis) over steps, marking skipped steps."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(8, 6), layout="constrained")
+    FigureCanvasAgg(figure)
+    loss_axis, scale_axis = figure.subplots(2, 1, sharex=True)
+    steps = np.arange(1, len(history) + 1)
+    skipped = np.asarray(history.skipped, dtype=bool)
+    loss_axis.plot(steps, history.loss, lw=1, color="tab:blue", label=MODES["amp"])
+    for mode, other in others.items():
+        color = {"fp16": "tab:red", "fp32": "tab:gray"}.get(mode)
+        loss_axis.plot(np.arange(1, len(other) + 1), other.loss, lw=1, color=color, label=MODES[mode])
+    loss_axis.set(yscale="log", ylabel="training loss (batch mean)", title=title)
+    loss_axis.grid(True, alpha=0.3)
+    loss_axis.legend(loc="lower left")
+    scale_axis.step(steps, history.scale, where="post", color="tab:green", lw=1.2, label="loss scale used")
+    if skipped.any():
+        label = f"skipped step (overflow): {int(skipped.sum())}"
+        scale_axis.plot(steps[skipped], np.asarray(history.scale)[skipped], "x", color="tab:red", ms=6, label=label)
+    scale_axis.set_yscale("log", base=2)
+    scale_axis.set(ylabel="loss scale", xlabel="step")
+    scale_axis.grid(True, alpha=0.3)
+    scale_axis.legend(loc="lower right")
+    figure.savefig(os.fspath(path), dpi=110, format=image_format)
+
+
+# The saved run
+
+
+_FORMAT, _VERSION = "cupy-amp-demo", 1
+_HISTORY = ("loss", "accuracy", "scale", "skipped")
+
+
+@dataclass(frozen=True)
+class _SavedRun:
+    """A run read back from its directory, in host memory."""
+
+    settings: Settings
+    scaler_settings: ScalerSettings
+    scaler: GradScalerCheckpoint
+    state: RunState
+
+    def to_device(self, device: Device) -> RunState:
+        """Return the state with its arrays moved to ``device``."""
+
+        def move(arrays: dict[str, Any]) -> dict[str, Any]:
+            return {name: device.xp.asarray(array) for name, array in arrays.items()}
+
+        adam = self.state.adam
+        moved = Adam(lr=adam.lr, eps=adam.eps, m=move(adam.m), v=move(adam.v), t=adam.t)
+        return RunState(step=self.state.step, masters=move(self.state.masters), adam=moved, history=self.state.history)
+
+
+def _save_run(
+    folder: Path,
+    settings: Settings,
+    scaler_settings: ScalerSettings,
+    scaler: GradScaler,
+    state: RunState,
+    device: Device,
+) -> None:
+    """Write the scaler checkpoint, then the model/optimizer state, each atomically."""
+    folder.mkdir(parents=True, exist_ok=True)
+    scaler.checkpoint().save(folder / SCALER_FILE)
+    document = {"run": {**asdict(settings), "hidden": list(settings.hidden)}, "scaler": asdict(scaler_settings)}
+    arrays: dict[str, Any] = {
+        "format": np.array(_FORMAT),
+        "version": np.array(_VERSION, dtype=np.int64),
+        "settings": np.array(json.dumps(document)),
+        "step": np.array(state.step, dtype=np.int64),
+        "adam_t": np.array(state.adam.t, dtype=np.int64),
+    }
+    for prefix, group in (("master", state.masters), ("adam_m", state.adam.m), ("adam_v", state.adam.v)):
+        for name, array in group.items():
+            arrays[f"{prefix}/{name}"] = device.to_host(array)
+    for name in _HISTORY:
+        arrays[f"history/{name}"] = np.array(getattr(state.history, name), dtype=bool if name == "skipped" else float)
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_file_atomic(folder / STATE_FILE, buffer.getvalue())
+
+
+def _load_run(folder: Path) -> _SavedRun:
+    """Read a run saved by :func:`_save_run`.
+
+    Raises:
+        DemoError: A file is missing, unreadable or of another format, or the two files are from different steps.
+    """
+    state_path, scaler_path = folder / STATE_FILE, folder / SCALER_FILE
+    if not state_path.is_file() or not scaler_path.is_file():
+        raise DemoError(
+            f"{folder}: not a demo checkpoint directory (expected {SCALER_FILE} and {STATE_FILE}, "
+            f"written by cupy-amp demo --out)"
+        )
+    try:
+        checkpoint = GradScalerCheckpoint.load(scaler_path)
+        data = read_regular_file(state_path, 1 << 30, DemoError)
+        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
+            arrays = {key: npz[key] for key in npz.files}
+        saved = _parse_run(arrays, checkpoint)
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
+        raise DemoError(f"cannot resume from {folder}: {exc}") from None
+    if checkpoint.steps != saved.state.step:
+        raise DemoError(
+            f"cannot resume from {folder}: {SCALER_FILE} is at step {checkpoint.steps} but {STATE_FILE} at step "
+            f"{saved.state.step} (a save was interrupted between the two files); start a new run"
+        )
+    return saved
+
+
+def _parse_run(arrays: dict[str, np.ndarray], checkpoint: GradScalerCheckpoint) -> _SavedRun:
+    if str(arrays["format"]) != _FORMAT or int(arrays["version"]) != _VERSION:
+        raise ValueError(f"{STATE_FILE} is not a demo state of format {_FORMAT} version {_VERSION}")
+    document = json.loads(str(arrays["settings"]))
+    run = dict(document["run"])
+    run["hidden"] = tuple(run["hidden"]) if isinstance(run["hidden"], list) else run["hidden"]
+    settings = Settings(**run)
+    problem = check_settings(settings)
+    if problem is not None:
+        raise ValueError(f"{STATE_FILE} holds invalid settings: {problem}")
+    scaler_settings = ScalerSettings(**document["scaler"])
+    step = int(arrays["step"])
+    history = History(**{name: arrays[f"history/{name}"].tolist() for name in _HISTORY})
+    if any(len(getattr(history, name)) != step for name in _HISTORY):
+        raise ValueError(f"the history of {STATE_FILE} holds {len(history)} steps, expected {step}")
+    names = parameter_names(len(settings.hidden) + 1)
+
+    def group(prefix: str) -> dict[str, np.ndarray]:
+        return {name: arrays[f"{prefix}/{name}"] for name in names}
+
+    adam = Adam(settings.lr, ADAM_EPS * settings.loss_weight, group("adam_m"), group("adam_v"), int(arrays["adam_t"]))
+    return _SavedRun(settings, scaler_settings, checkpoint, RunState(step, group("master"), adam, history))

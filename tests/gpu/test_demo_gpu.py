@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from helpers import saved_arrays
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.cli import main
-from cupy_amp.demo.data import load_dataset
-from cupy_amp.demo.device import select_device
-from cupy_amp.demo.options import ScalerSettings, Settings
-from cupy_amp.demo.train import Trainer, new_state
+from cupy_amp.demo.model import load_dataset
+from cupy_amp.demo.settings import ScalerSettings, Settings
+from cupy_amp.demo.training import Trainer, new_state, select_device
 from cupy_amp.scaler import GradScaler
 
 
@@ -27,11 +27,6 @@ def demo(*args: str) -> tuple[int, str, str]:
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         status = main(["demo", *args])
     return status, out.getvalue(), err.getvalue()
-
-
-def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
-    with np.load(directory / "state.npz", allow_pickle=False) as npz:
-        return {key: npz[key] for key in npz.files}
 
 
 def eval_accuracy(out: str) -> float:

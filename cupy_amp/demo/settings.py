@@ -1,9 +1,9 @@
-"""The demo's command-line flags and the validated settings built from them.
+"""The demo's flags, and the validated settings of a run built from them (or read back on resume).
 
-Flags that define a training run (seed, data, batch size, learning rate, loss
-weight, scaler parameters) default to None at parse time, so that ``--resume``
-can tell a flag the user gave from one left out: left out, it takes the resumed
-run's value (or the default below for a new run); given, it must agree with it.
+Flags that define a run (seed, data, batch size, learning rate, loss weight,
+scaler parameters) default to None at parse time, so that ``--resume`` can tell
+a flag the user gave from one left out: left out, it takes the resumed run's
+value (or the default for a new run); given, it must agree with the run.
 """
 
 from __future__ import annotations
@@ -15,31 +15,34 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from cupy_amp.cli import power_of_two
 from cupy_amp.errors import CupyAmpError
 
 __all__ = [
     "DEFAULTS",
+    "SCALER_DEFAULTS",
     "DemoError",
     "DemoUsageError",
     "ScalerSettings",
     "Settings",
     "add_arguments",
-    "format_power",
+    "check_settings",
     "settings_from_args",
+    "show",
 ]
 
 
 class DemoError(CupyAmpError, RuntimeError):
-    """The demo cannot run as asked (no GPU, unreadable resume directory, missing extra)."""
+    """The demo cannot run as asked (no GPU, unreadable resume directory, missing extra); exit status 1."""
 
 
 class DemoUsageError(DemoError):
-    """The flags contradict each other or a resumed run (exit status 2)."""
+    """The flags contradict each other or a resumed run; exit status 2."""
 
 
 @dataclass(frozen=True)
 class ScalerSettings:
-    """The GradScaler parameters the demo passes through, as floats and ints."""
+    """The GradScaler parameters the demo passes through."""
 
     init_scale: float = 2.0**36
     growth_interval: int = 50
@@ -52,7 +55,7 @@ class ScalerSettings:
 
 @dataclass(frozen=True)
 class Settings:
-    """Everything that decides a training run's numbers (saved with every checkpoint)."""
+    """Everything besides the scaler that decides a run's numbers (saved with every checkpoint)."""
 
     data: str = "builtin"
     seed: int = 0
@@ -65,19 +68,37 @@ class Settings:
 DEFAULTS = Settings()
 SCALER_DEFAULTS = ScalerSettings()
 DEFAULT_STEPS = 600
-DEFAULT_SAVE_EVERY = 100
-DEFAULT_LOG_EVERY = 50
+DATA_CHOICES = ("builtin", "digits")
 
 
-def format_power(value: float | None) -> str:
-    """Write ``value`` as ``2**N`` when it is a power of two, else with repr; None as 'none'."""
+def show(value: float | None) -> str:
+    """Write a number for the log: ``2**N`` for a power of two, 'none' for None, else briefly."""
     if value is None:
         return "none"
-    if value > 0 and math.isfinite(value):
-        mantissa, exponent = math.frexp(value)
-        if mantissa == 0.5:
-            return f"2**{exponent - 1}" if exponent != 1 else "1"
-    return repr(value)
+    return power_of_two(value) or f"{value:.4g}"
+
+
+def check_settings(settings: Settings) -> str | None:
+    """Return what is wrong with ``settings`` (flags, or values read back from a saved run), or None."""
+
+    def integer(value: Any, minimum: int) -> bool:
+        return type(value) is int and value >= minimum
+
+    def positive(value: Any) -> bool:
+        return type(value) in (int, float) and math.isfinite(value) and value > 0
+
+    checks = {
+        "data": settings.data in DATA_CHOICES,
+        "seed": integer(settings.seed, 0),
+        "batch_size": integer(settings.batch_size, 1),
+        "lr": positive(settings.lr),
+        "loss_weight": positive(settings.loss_weight),
+        "hidden": type(settings.hidden) is tuple
+        and 0 < len(settings.hidden) <= 8
+        and all(integer(width, 1) and width <= 4096 for width in settings.hidden),
+    }
+    bad = [f"{name}={getattr(settings, name)!r}" for name, ok in checks.items() if not ok]
+    return None if not bad else ", ".join(bad)
 
 
 _POWER = re.compile(r"^\s*2\s*\*\*\s*\(?\s*(-?\d+)\s*\)?\s*$")
@@ -85,51 +106,33 @@ _POWER = re.compile(r"^\s*2\s*\*\*\s*\(?\s*(-?\d+)\s*\)?\s*$")
 
 def _number(text: str) -> float:
     match = _POWER.match(text)
-    if match:
-        exponent = int(match.group(1))
-        if abs(exponent) > 1000:
-            raise argparse.ArgumentTypeError(f"expected a number such as 0.5 or 2**16, got {text!r}")
-        return 2.0**exponent
     try:
-        value = float(text)
-    except ValueError:
+        value = 2.0 ** int(match.group(1)) if match and abs(int(match.group(1))) <= 1000 else float(text)
+    except (ValueError, OverflowError):
         raise argparse.ArgumentTypeError(f"expected a number such as 0.5 or 2**16, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return value
-
-
-def _positive_number(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
 
 
 _NO_CLAMP = "none"  # what --min-scale/--max-scale parse "none" to; None means the flag was not given
 
 
-def _optional_scale(text: str) -> float | str:
-    return _NO_CLAMP if text.strip().lower() == _NO_CLAMP else _positive_number(text)
+def _scale_or_none(text: str) -> float | str:
+    return _NO_CLAMP if text.strip().lower() == _NO_CLAMP else _number(text)
 
 
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """Return an argparse type accepting integers >= ``minimum``."""
-
+def _integer(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
-            value: int | None = int(text)
+            value = int(text)
         except ValueError:
-            value = None
-        if value is None or value < minimum:
+            value = minimum - 1
+        if value < minimum:
             raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
         return value
 
     return parse
-
-
-_positive_int = _int_at_least(1)
-_seed = _int_at_least(0)
 
 
 DESCRIPTION = """\
@@ -164,6 +167,7 @@ exit status: 0 done, 1 the run could not start or failed (no GPU for
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the demo's flags to ``parser``."""
+    positive_int, number = _integer(1), _number
     run = parser.add_argument_group("run")
     run.add_argument(
         "--device",
@@ -174,42 +178,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     run.add_argument(
         "--data",
-        choices=("builtin", "digits"),
+        choices=DATA_CHOICES,
         default=None,
         help="builtin: five interleaved spirals generated from --seed (default); digits: scikit-learn's "
-        "bundled 8x8 digit images (needs scikit-learn, no download)",
+        'bundled 8x8 digit images (needs scikit-learn: pip install "cupy-amp[demo]"; no download)',
     )
     run.add_argument(
-        "--steps",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help=f"total optimizer steps (default: {DEFAULT_STEPS})",
+        "--steps", type=positive_int, metavar="N", help=f"total optimizer steps (default: {DEFAULT_STEPS})"
     )
     run.add_argument(
         "--batch-size",
-        type=_positive_int,
-        default=None,
+        type=positive_int,
         metavar="N",
         help=f"examples per step, drawn as a function of (seed, step) (default: {DEFAULTS.batch_size})",
     )
-    run.add_argument(
-        "--seed",
-        type=_seed,
-        default=None,
-        metavar="N",
-        help=f"data, initialization and batches (default: {DEFAULTS.seed})",
-    )
-    run.add_argument(
-        "--lr", type=_positive_number, default=None, metavar="X", help=f"Adam's learning rate (default: {DEFAULTS.lr})"
-    )
+    run.add_argument("--seed", type=_integer(0), metavar="N", help="data, initialization and batches (default: 0)")
+    run.add_argument("--lr", type=number, metavar="X", help=f"Adam's learning rate (default: {DEFAULTS.lr})")
     run.add_argument(
         "--loss-weight",
-        type=_positive_number,
-        default=None,
+        type=number,
         metavar="X",
         help="multiply the batch-mean loss by this, making every gradient that much smaller "
-        f"(default: {format_power(DEFAULTS.loss_weight)}; 1 for a plain mean loss)",
+        f"(default: {show(DEFAULTS.loss_weight)}; 1 for a plain mean loss)",
     )
     run.add_argument(
         "--compare",
@@ -224,91 +214,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "this run's gradients tiny, and its scale settles between 2**31 and 2**35. The start is\n"
         "deliberately too high, so that the first steps overflow and the scaler backs off.",
     )
-    scaler.add_argument(
-        "--init-scale",
-        type=_positive_number,
-        default=None,
-        metavar="X",
-        help=f"starting scale (default: {format_power(SCALER_DEFAULTS.init_scale)})",
-    )
-    scaler.add_argument(
-        "--growth-interval",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help=f"clean steps in a row before the scale grows (default: {SCALER_DEFAULTS.growth_interval})",
-    )
-    scaler.add_argument(
-        "--growth-factor",
-        type=_positive_number,
-        default=None,
-        metavar="X",
-        help=f"growth multiplier, > 1 (default: {SCALER_DEFAULTS.growth_factor})",
-    )
-    scaler.add_argument(
-        "--backoff-factor",
-        type=_positive_number,
-        default=None,
-        metavar="X",
-        help=f"backoff multiplier, in (0, 1) (default: {SCALER_DEFAULTS.backoff_factor})",
-    )
-    scaler.add_argument(
-        "--min-scale",
-        type=_optional_scale,
-        default=None,
-        metavar="X",
-        help=f"floor after a backoff, or 'none' (default: {format_power(SCALER_DEFAULTS.min_scale)})",
-    )
-    scaler.add_argument(
-        "--max-scale",
-        type=_optional_scale,
-        default=None,
-        metavar="X",
-        help=f"ceiling after a growth, or 'none' (default: {format_power(SCALER_DEFAULTS.max_scale)})",
-    )
-    scaler.add_argument(
-        "--hysteresis",
-        type=_positive_int,
-        default=None,
-        metavar="N",
-        help=f"overflowing steps before a backoff (default: {SCALER_DEFAULTS.hysteresis})",
-    )
+    scaler_flags = {
+        "--init-scale": (number, "starting scale", SCALER_DEFAULTS.init_scale),
+        "--growth-interval": (positive_int, "clean steps in a row before the scale grows", 50),
+        "--growth-factor": (number, "growth multiplier, > 1", SCALER_DEFAULTS.growth_factor),
+        "--backoff-factor": (number, "backoff multiplier, in (0, 1)", SCALER_DEFAULTS.backoff_factor),
+        "--min-scale": (_scale_or_none, "floor after a backoff, or 'none'", SCALER_DEFAULTS.min_scale),
+        "--max-scale": (_scale_or_none, "ceiling after a growth, or 'none'", SCALER_DEFAULTS.max_scale),
+        "--hysteresis": (positive_int, "overflowing steps before a backoff", 1),
+    }
+    for flag, (kind, text, default) in scaler_flags.items():
+        shown = show(default) if isinstance(default, float) or default is None else default
+        scaler.add_argument(
+            flag, type=kind, metavar="N" if kind is positive_int else "X", help=f"{text} (default: {shown})"
+        )
 
     output = parser.add_argument_group("output")
     output.add_argument(
         "--out",
         metavar="DIR",
-        default=None,
         help="save checkpoints here: scaler.ckpt (GradScalerCheckpoint) and state.npz (fp32 master weights, "
         "Adam state, step, loss history), written atomically (default: the --resume directory, else none)",
     )
     output.add_argument(
-        "--save-every",
-        type=_positive_int,
-        default=DEFAULT_SAVE_EVERY,
-        metavar="N",
-        help=f"save every N steps and at the end (default: {DEFAULT_SAVE_EVERY})",
+        "--save-every", type=positive_int, default=100, metavar="N", help="save every N steps and at the end (100)"
     )
     output.add_argument(
         "--resume",
         metavar="DIR",
-        default=None,
         help="continue the run saved in DIR up to --steps; the result is bit for bit that of an "
         "uninterrupted run on the same device",
     )
     output.add_argument(
         "--plot",
         metavar="FILE",
-        default=None,
-        help='save a PNG of the loss and the loss scale over steps (needs matplotlib: pip install "cupy-amp[demo]")',
+        help="save the loss and the loss scale over steps as an image, in the format its extension names "
+        '(png, pdf, svg...; needs matplotlib: pip install "cupy-amp[demo]")',
     )
     output.add_argument(
         "--log-every",
-        type=_positive_int,
-        default=DEFAULT_LOG_EVERY,
+        type=positive_int,
+        default=50,
         metavar="N",
-        help="when output is not a terminal, print a progress line every N steps "
-        f"(default: {DEFAULT_LOG_EVERY}); on a terminal a progress bar is drawn instead",
+        help="when output is not a terminal, print a progress line every N steps (default: 50); "
+        "on a terminal a progress bar is drawn instead",
     )
 
 
@@ -324,11 +273,23 @@ def settings_from_args(
     Raises:
         DemoUsageError: A flag given explicitly disagrees with the resumed run.
     """
-    base = saved if saved is not None else DEFAULTS
-    base_scaler = saved_scaler if saved_scaler is not None else SCALER_DEFAULTS
     conflicts: list[str] = []
-    settings = replace(base, **_given(args, _SETTINGS_FLAGS, base, saved is not None, conflicts))
-    scaler = replace(base_scaler, **_given(args, _SCALER_FLAGS, base_scaler, saved_scaler is not None, conflicts))
+
+    def given(flags: dict[str, str], base: Any) -> dict[str, Any]:
+        changes = {}
+        for name, flag in flags.items():
+            value = getattr(args, name, None)
+            if value is None:
+                continue
+            value = None if value == _NO_CLAMP else value
+            if saved is not None and value != getattr(base, name):
+                conflicts.append(f"--{flag} {show(value)} (the run has {show(getattr(base, name))})")
+            changes[name] = value
+        return changes
+
+    base, base_scaler = saved or DEFAULTS, saved_scaler or SCALER_DEFAULTS
+    settings = replace(base, **given(_SETTINGS_FLAGS, base))
+    scaler = replace(base_scaler, **given(_SCALER_FLAGS, base_scaler))
     if conflicts:
         raise DemoUsageError(
             "--resume continues a run with its own settings; these flags disagree with it: "
@@ -336,20 +297,3 @@ def settings_from_args(
             + ". Leave them out, or start a new run with --out."
         )
     return settings, scaler
-
-
-def _given(
-    args: argparse.Namespace, flags: dict[str, str], base: Any, resumed: bool, conflicts: list[str]
-) -> dict[str, Any]:
-    """Return the flags given explicitly; on resume, append those that disagree with the run to ``conflicts``."""
-    changes: dict[str, Any] = {}
-    for name, flag in flags.items():
-        value = getattr(args, name, None)
-        if value is None:
-            continue
-        if value == _NO_CLAMP:
-            value = None
-        if resumed and value != getattr(base, name):
-            conflicts.append(f"--{flag} {format_power(value)} (the run has {format_power(getattr(base, name))})")
-        changes[name] = value
-    return changes
