@@ -42,19 +42,19 @@ struct __align__(16) Chunk {
 // then ndim strides in elements (possibly negative).
 
 struct UnscaleArgs {
-    u64 chunks;        // const Chunk[chunk_count]
-    u64 layouts;       // const long long[]
+    u64 chunks;   // const Chunk[chunk_count]
+    u64 layouts;  // const long long[]
     long long chunk_count;
     u64 found;         // int, set to `epoch` if any element was inf/nan (may be mapped host memory)
     u64 tensor_found;  // int per tensor, set to `epoch` if it held inf/nan
     float inv_scale;
-    int epoch;         // a number chosen per launch, so no flag needs clearing between launches
+    int epoch;  // a number chosen per launch, so no flag needs clearing between launches
 };
 
 struct ScaleArgs {
-    u64 base;          // dense: the lowest element; strided: element [0, ..., 0]
+    u64 base;  // dense: the lowest element; strided: element [0, ..., 0]
     long long numel;
-    u64 layout;        // 0: dense; else the loss's layout (const long long[]), as above
+    u64 layout;            // 0: dense; else the loss's layout (const long long[]), as above
     long long chunk_size;  // elements per block per turn
     float scale;
 };

@@ -15,10 +15,10 @@ __device__ void scale_loss(const ScaleArgs& args) {
 
 }  // namespace cupy_amp
 
-#define CUPY_AMP_SCALE_LOSS(NAME, TYPE)                                                         \
-    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks)        \
-        NAME(const cupy_amp::ScaleArgs args) {                                                  \
-        cupy_amp::scale_loss<cupy_amp::TYPE>(args);                                             \
+#define CUPY_AMP_SCALE_LOSS(NAME, TYPE)                                                  \
+    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks) \
+        NAME(const cupy_amp::ScaleArgs args) {                                           \
+        cupy_amp::scale_loss<cupy_amp::TYPE>(args);                                      \
     }
 
 CUPY_AMP_SCALE_LOSS(cupy_amp_scale_loss_float16, Half)

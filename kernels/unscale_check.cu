@@ -25,10 +25,10 @@ __device__ void unscale_check(const UnscaleArgs& args) {
 
 }  // namespace cupy_amp
 
-#define CUPY_AMP_UNSCALE_CHECK(NAME, TYPE)                                                      \
-    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks)        \
-        NAME(const cupy_amp::UnscaleArgs args) {                                                \
-        cupy_amp::unscale_check<cupy_amp::TYPE>(args);                                          \
+#define CUPY_AMP_UNSCALE_CHECK(NAME, TYPE)                                               \
+    extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks) \
+        NAME(const cupy_amp::UnscaleArgs args) {                                         \
+        cupy_amp::unscale_check<cupy_amp::TYPE>(args);                                   \
     }
 
 CUPY_AMP_UNSCALE_CHECK(cupy_amp_unscale_check_float16, Half)
