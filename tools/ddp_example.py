@@ -8,7 +8,7 @@ its gradients (as a rank-local overflow would be), to show that the others
 follow. Each rank prints its overflows and its scale; the launcher then
 checks that all ranks ended with identical scale trajectories and weights.
 
-Usage: python tools/ddp_example.py [--gpus N] [--steps 300]
+Usage: PYTHONPATH=. python tools/ddp_example.py [--gpus N] [--steps 300] (or with cupy-amp installed)
 Needs CuPy with NCCL and N >= 2 GPUs. The launcher starts one
 ``python tools/ddp_example.py --rank R ...`` process per GPU.
 """
@@ -25,10 +25,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 
 def train(rank: int, world: int, port: int, steps: int, out: Path) -> None:

@@ -14,10 +14,7 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-
-from cupy_amp import GradScaler, GradScalerCheckpoint  # noqa: E402
+from cupy_amp import GradScaler, GradScalerCheckpoint
 
 
 def init(rank: int, world: int, port: int, out: Path, raw: bool = False) -> object:

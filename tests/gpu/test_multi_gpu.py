@@ -40,7 +40,9 @@ def run_ranks(scenario: str, tmp_path: Path) -> list[dict]:
     if _gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, found {_gpu_count()}")
     port = _free_port()
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     procs = [
         subprocess.Popen(
             [sys.executable, str(WORKER), scenario, str(rank), str(WORLD), str(port), str(tmp_path)],
