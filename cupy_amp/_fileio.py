@@ -9,7 +9,9 @@ import os
 import secrets
 import stat
 
-__all__ = ["read_regular_file", "write_file_atomic"]
+from cupy_amp.errors import ArgumentTypeError
+
+__all__ = ["file_path", "read_regular_file", "write_file_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +22,23 @@ _KINDS = {
     stat.S_IFBLK: "a block device",
     stat.S_IFSOCK: "a socket",
 }
+
+
+def file_path(path: object) -> str:
+    """Return ``path`` (a str, bytes or os.PathLike path) as a str.
+
+    Raises:
+        ArgumentTypeError: It is not a path (``None``, a number), or holds a NUL character.
+    """
+    try:
+        text = os.fsdecode(os.fspath(path))  # type: ignore[call-overload]
+    except TypeError:
+        raise ArgumentTypeError(
+            f"Expected a file path (str, bytes or os.PathLike), got {type(path).__name__}."
+        ) from None
+    if "\0" in text:
+        raise ArgumentTypeError(f"Expected a file path, got {text!r}, which holds a NUL character.")
+    return text
 
 
 def read_regular_file(path: str | os.PathLike[str], limit: int, error: type[Exception]) -> bytes:
@@ -35,7 +54,7 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, error: type[Exce
         OSError: The file cannot be opened or read; passed through unchanged.
     """
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
-    fd = os.open(path, flags)
+    fd = os.open(file_path(path), flags)
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -75,10 +94,11 @@ def write_file_atomic(path: str | os.PathLike[str], data: bytes) -> None:
             ``path`` already holds the new content but the rename may not
             survive a power loss.
     """
-    target = os.fspath(path)
+    target = file_path(path)
     directory, name = os.path.split(target)
     directory = directory or os.curdir
-    temporary = os.path.join(directory, f".{name}.tmp-{secrets.token_hex(8)}")
+    # Short enough beside any legal name (255 bytes at most on most file systems).
+    temporary = os.path.join(directory, f".{name[:200]}.tmp-{secrets.token_hex(8)}")
     try:
         mode = stat.S_IMODE(os.stat(target).st_mode)
     except OSError:

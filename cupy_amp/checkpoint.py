@@ -42,7 +42,7 @@ from typing import Any
 
 import msgpack
 
-from cupy_amp._fileio import read_regular_file, write_file_atomic
+from cupy_amp._fileio import file_path, read_regular_file, write_file_atomic
 from cupy_amp.errors import (
     ArgumentTypeError,
     CheckpointCorruptError,
@@ -322,10 +322,11 @@ def read_checkpoint(path: str | os.PathLike[str]) -> tuple[int, GradScalerCheckp
 
     Raises what :meth:`GradScalerCheckpoint.load` raises, with the file named once in the message.
     """
+    name = file_path(path)
     try:
-        return decode_checkpoint(read_regular_file(path, MAX_CHECKPOINT_BYTES, CheckpointCorruptError))
+        return decode_checkpoint(read_regular_file(name, MAX_CHECKPOINT_BYTES, CheckpointCorruptError))
     except CheckpointError as exc:
-        raise type(exc)(f"checkpoint {os.fspath(path)!r}: {exc}") from None
+        raise type(exc)(f"checkpoint {name!r}: {exc}") from None
 
 
 def decode_checkpoint(data: bytes | bytearray | memoryview) -> tuple[int, GradScalerCheckpoint]:
@@ -335,7 +336,10 @@ def decode_checkpoint(data: bytes | bytearray | memoryview) -> tuple[int, GradSc
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
         raise ArgumentTypeError(f"Expected the checkpoint as bytes, got {type(data).__name__}.")
-    data = bytes(data)
+    try:
+        data = bytes(data)
+    except ValueError as exc:  # a released memoryview
+        raise ArgumentTypeError(f"Expected the checkpoint as bytes: {exc}.") from None
     if len(data) > MAX_CHECKPOINT_BYTES:
         raise CheckpointCorruptError(
             f"{len(data)} bytes, over the {MAX_CHECKPOINT_BYTES}-byte limit; refusing to read it."

@@ -130,7 +130,7 @@ def _validate(args: argparse.Namespace) -> int:
             _print(f"FAIL  {exc}", sys.stderr)
             status = EXIT_INVALID
         else:
-            _print(f"OK  {path}", sys.stdout)
+            _print(f"OK  {path if path.isprintable() else repr(path)}", sys.stdout)  # one line, whatever the name
     return status
 
 

@@ -183,7 +183,7 @@ def write_problem(array: cupy.ndarray, source: Any) -> str | None:
     if array.data.ptr % itemsize or any(stride % itemsize for stride in array.strides):
         return (
             f"its address {array.data.ptr:#x} or strides {array.strides} are not multiples of its itemsize "
-            f"{itemsize} (a misaligned view), which the GPU cannot access"
+            f"{itemsize} (misaligned), which the GPU cannot access"
         )
     if array.ndim > _MAX_NDIM:
         return f"it has {array.ndim} dimensions, more than the kernels' {_MAX_NDIM}"
@@ -335,10 +335,14 @@ def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
     records["tensor"] = tensor
     records["layout"] = layout_of[tensor]
     host = np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)])
+    stream = cupy.cuda.get_current_stream()
     memory = cupy.empty(max(host.size, 1), dtype=np.uint8)
     if host.size:
-        memory[: host.size].set(host, stream=cupy.cuda.get_current_stream())
+        memory[: host.size].set(host, stream=stream)
     tensor_found = cupy.zeros(count, dtype=np.int32)
+    # A table may be launched from another stream or thread (a GradientSet, the shared cache): it must be
+    # complete on the device before it is handed out. Tables are built once per layout, so this wait is rare.
+    stream.synchronize()
     launch = None
     if chunk_count:
         launch = _Launcher(
@@ -371,16 +375,21 @@ class _Flags:
         self.device = cupy.zeros(2, dtype=np.int32)
 
 
-# Flags not in use, per device. A call takes its own and gives them back after reading them; a call
-# that fails before reading never gives them back (a kernel in flight may still write them): they are
-# dropped, and freeing pinned memory waits for the device.
+# Flags not in use, per device. A call takes its own and gives them back after reading them. A call that
+# fails before reading them parks them with an event on their stream: a kernel in flight may still write
+# them, so they are reused only once the event has completed.
 _spare_flags: dict[int, list[_Flags]] = {}
+_parked_flags: list[tuple[Any, int, _Flags]] = []
 _flags_lock = threading.Lock()
 _epochs = itertools.count(1)
 
 
 def _take_flags(device: int) -> _Flags:
     with _flags_lock:
+        if _parked_flags:
+            for parked in [entry for entry in _parked_flags if entry[0].done]:
+                _parked_flags.remove(parked)
+                _spare_flags.setdefault(parked[1], []).append(parked[2])
         spare = _spare_flags.get(device)
         if spare:
             return spare.pop()
@@ -395,37 +404,50 @@ def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32
     to device memory, for :meth:`Unscaled.vote` to all-reduce.
     """
     epoch = next(_epochs) % (2**31 - 1) + 1
-    launched: dict[int, tuple[Any, _Flags]] = {}
-    for group in plan:
-        if group.device not in launched:
+    unscaled = Unscaled(plan, {}, epoch, voting)
+    try:
+        for group in plan:
             with _on_device(group.device):
-                stream = cupy.cuda.get_current_stream()
-                launched[group.device] = (stream, _take_flags(group.device))
-        stream, flags = launched[group.device]
-        if voting and group is plan[0]:
-            cupy.cuda.runtime.memsetAsync(flags.device.data.ptr, 0, 8, stream.ptr)
-        if group.table.launch is not None:
-            found = flags.device.data.ptr if voting else flags.mapped
-            grid = min(group.table.chunk_count, _MAX_GRID)
-            with _on_device(group.device):
-                group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found)
-    return Unscaled(plan, launched, epoch, voting)
+                if group.device not in unscaled.launched:
+                    stream = cupy.cuda.get_current_stream()
+                    unscaled.launched[group.device] = (stream, _take_flags(group.device))
+                    if voting:
+                        cupy.cuda.runtime.memsetAsync(
+                            unscaled.launched[group.device][1].device.data.ptr, 0, 8, stream.ptr
+                        )
+                stream, flags = unscaled.launched[group.device]
+                if group.table.launch is not None:
+                    found = flags.device.data.ptr if voting else flags.mapped
+                    grid = min(group.table.chunk_count, _MAX_GRID)
+                    group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found)
+    except BaseException:
+        unscaled.abandon()
+        raise
+    return unscaled
 
 
 class Unscaled:
-    """Kernels of one call in flight: vote on their flag (optional), then read the result."""
+    """Kernels of one call in flight: vote on their flag (optional), then read the result.
+
+    Every device's flags are handled under that device, on the stream the
+    kernels were queued on (a stream handle of 0 means "the current device's
+    default stream").
+    """
 
     def __init__(
         self, plan: tuple[_Group, ...], launched: dict[int, tuple[Any, _Flags]], epoch: int, voting: bool
     ) -> None:
         self._plan = plan
-        self._launched = launched
+        self.launched = launched
         self._epoch = epoch
         self._voting = voting
 
     def vote(self, vote: OverflowVote) -> None:
-        """Queue the MAX all-reduce of the local flag on the stream (never synchronizes)."""
-        ((device, (stream, flags)),) = self._launched.items()  # one device when voting
+        """Queue the MAX all-reduce of the local flag on the stream (never synchronizes).
+
+        If ``reduce_max`` raises, it queued nothing (NCCL's contract): the caller votes from the host.
+        """
+        ((device, (stream, flags)),) = self.launched.items()  # one device when voting
         with _on_device(device):
             vote.reduce_max(flags.device, stream)
 
@@ -440,23 +462,44 @@ class Unscaled:
         """
         local, agreed = False, None
         culprits: list[int] = []
-        for device, (stream, flags) in self._launched.items():
-            if self._voting:
-                cupy.cuda.runtime.memcpyAsync(
-                    flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost, stream.ptr
-                )
-            stream.synchronize()
-            local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
-            if self._voting:
-                agreed = device_answer(local_flag, agreed_flag)
-            if local_flag == self._epoch:
-                local = True
-                with _on_device(device):
+        for device, (stream, flags) in self.launched.items():
+            with _on_device(device):
+                if self._voting:
+                    cupy.cuda.runtime.memcpyAsync(
+                        flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost,
+                        stream.ptr,
+                    )  # fmt: skip
+                stream.synchronize()
+                local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
+                if local_flag == self._epoch:
+                    local = True
                     for group in self._plan:
                         if group.device == device:
                             seen = group.table.tensor_found.get(stream=stream)
                             culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
+            if self._voting:
+                agreed = device_answer(local_flag, agreed_flag)
         with _flags_lock:
-            for device, (_, flags) in self._launched.items():
+            for device, (_, flags) in self.launched.items():
                 _spare_flags.setdefault(device, []).append(flags)
+        self.launched = {}
         return local, agreed, tuple(sorted(culprits))
+
+    def abandon(self) -> None:
+        """Give up on this call after a failure: park its flags until its kernels are done with them."""
+        for device, (stream, flags) in self.launched.items():
+            try:
+                with _on_device(device):
+                    event = cupy.cuda.Event(disable_timing=True)
+                    event.record(stream)
+            except (
+                Exception
+            ):  # a broken context: keep the flags referenced forever rather than free them under a kernel
+                _lost_flags.append(flags)
+                continue
+            with _flags_lock:
+                _parked_flags.append((event, device, flags))
+        self.launched = {}
+
+
+_lost_flags: list[_Flags] = []

@@ -26,7 +26,16 @@ import numpy as np
 
 from cupy_amp.errors import ArgumentTypeError, CommunicatorError
 
-__all__ = ["NcclVote", "OverflowVote", "device_answer", "host_answer", "overflow_vote_for", "vote_after_failure"]
+__all__ = [
+    "NcclVote",
+    "OverflowVote",
+    "cast_host_vote",
+    "device_answer",
+    "host_answer",
+    "host_verdict",
+    "overflow_vote_for",
+    "vote_after_failure",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -100,22 +109,35 @@ def overflow_vote_for(comm: Any) -> OverflowVote | None:
     )
 
 
-def host_answer(vote: OverflowVote, local_overflow: bool) -> bool:
-    """Vote with a host flag and return the verdict, which counts this rank's own overflow whatever the answer.
+def cast_host_vote(vote: OverflowVote, local_overflow: bool) -> object:
+    """Take part in a vote with a host flag and return the communicator's raw answer (synchronizes).
 
     Raises:
-        CommunicatorError: The vote raised, or answered something other than a bool.
+        CommunicatorError: The communicator raised; this rank then took no part in the vote.
     """
     try:
-        answer = vote.host_vote(local_overflow)
+        return vote.host_vote(local_overflow)
     except Exception as exc:
         raise CommunicatorError(f"The overflow vote failed: {type(exc).__name__}: {exc}") from exc
+
+
+def host_verdict(answer: object, local_overflow: bool) -> bool:
+    """Return the verdict of a host vote's answer, which counts this rank's own overflow whatever it says.
+
+    Raises:
+        CommunicatorError: The answer is not a bool.
+    """
     if not isinstance(answer, (bool, np.bool_)):
         raise CommunicatorError(
             f"The overflow vote answered {answer!r} ({type(answer).__name__}); expected a bool. "
             f"The step counts as an overflow."
         )
     return bool(answer) or local_overflow
+
+
+def host_answer(vote: OverflowVote, local_overflow: bool) -> bool:
+    """Vote with a host flag and return the checked verdict (see :func:`cast_host_vote`, :func:`host_verdict`)."""
+    return host_verdict(cast_host_vote(vote, local_overflow), local_overflow)
 
 
 def device_answer(local_flag: int, agreed_flag: int) -> bool:

@@ -80,11 +80,10 @@ def _cupy_backend() -> types.ModuleType | None:
 
 def _backend_of(obj: Any) -> tuple[types.ModuleType, Any] | None:
     """Return the backend module for ``obj`` and ``obj`` as that backend's array, or None."""
-    if type(obj) is np.ndarray:
-        return numpy_backend, obj
     if isinstance(obj, np.ndarray):
-        # A subclass (a masked array, a matrix) is judged and unscaled on its data, never
-        # through its own arithmetic.
+        # A view of our own, whose layout no other thread can change between validation and the multiply
+        # (NumPy arrays' strides and dtype are settable in place); a subclass (a masked array, a matrix)
+        # is so judged and unscaled on its data, never through its own arithmetic.
         return numpy_backend, obj.view(np.ndarray)
     module = type(obj).__module__ or ""
     gpu_like = (
@@ -245,7 +244,9 @@ def _parse(gradients: Any) -> Call:
             raise error(f"{describe(label)}{where} {reason}.")
         labels.append(label)
         arrays.append(array)
-        native = native and array is entry
+        # A remembered call must stand for the very objects passed: not for CUDA arrays of other libraries,
+        # wrapped anew on every call (their memory can change behind the same object).
+        native = native and (array is entry or isinstance(entry, np.ndarray))
     if backend is None:
         return Call((), (), None, (), None, False)
     footprints = tuple(_footprint(backend, array) for array in arrays)

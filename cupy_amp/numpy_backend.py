@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.distributed import OverflowVote, host_answer
+from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict
 
 __all__ = ["LAYOUT_FIXED", "NAME", "location", "prepare", "scale_loss", "unscale", "write_problem"]
 
@@ -22,8 +22,12 @@ LAYOUT_FIXED = False
 
 
 def write_problem(array: np.ndarray, source: Any) -> str | None:
-    """Return why ``array`` cannot be written in place, or None."""
-    return None if array.flags.writeable else "the array is read-only"
+    """Return why ``array`` cannot be written in place, or None (refused as on the GPU: misaligned arrays too)."""
+    if not array.flags.writeable:
+        return "the array is read-only"
+    if not array.flags.aligned:
+        return f"its address or strides {array.strides} are not multiples of its itemsize {array.itemsize} (misaligned)"
+    return None
 
 
 def location(array: np.ndarray) -> tuple[int, int]:
@@ -59,15 +63,25 @@ class Unscaled:
 
     def __init__(self, culprits: tuple[int, ...]) -> None:
         self._culprits = culprits
-        self._agreed: bool | None = None
+        self._voted = False
+        self._answer: object = None
 
     def vote(self, vote: OverflowVote) -> None:
         """Combine this rank's flag with every other rank's (a synchronizing collective)."""
-        self._agreed = host_answer(vote, bool(self._culprits))
+        self._answer = cast_host_vote(vote, bool(self._culprits))
+        self._voted = True
 
     def result(self) -> tuple[bool, bool | None, tuple[int, ...]]:
-        """Return (this rank's overflow, the ranks' verdict or None without a vote, culprit positions)."""
-        return bool(self._culprits), self._agreed, self._culprits
+        """Return (this rank's overflow, the ranks' verdict or None without a vote, culprit positions).
+
+        Raises:
+            CommunicatorError: The vote's answer was not a bool.
+        """
+        local = bool(self._culprits)
+        return local, host_verdict(self._answer, local) if self._voted else None, self._culprits
+
+    def abandon(self) -> None:
+        """Nothing is in flight on the host."""
 
 
 def _multiply(array: np.ndarray, factor: np.float32) -> None:

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.distributed import OverflowVote, host_answer, overflow_vote_for, vote_after_failure
+from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict, overflow_vote_for, vote_after_failure
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_scale, inverse_scale, next_state
@@ -59,6 +59,37 @@ class GradScalerStats:
         # One line, field=value with the field names; nine significant digits name every float32 exactly.
         fields = " ".join(f"{name}={value}" for name, value in asdict(self).items() if name != "scale")
         return f"scale={self.scale:.9g} {fields}"
+
+
+class _Exclusive:
+    """Serializes the calls that change a scaler, and refuses one made from inside another.
+
+    A thread waits for another thread's call to end. The same thread calling
+    in again (from a communicator's callback, a generator passed as gradients,
+    a signal handler) would otherwise deadlock or interleave two calls' steps:
+    that raises instead. Reads (``stats``, ``had_overflow``...) take no lock:
+    they read immutable values.
+    """
+
+    __slots__ = ("_busy", "_lock")
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._busy = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self._busy:
+            self._lock.release()
+            raise ScalerProtocolError(
+                "The scaler was called from inside one of its own calls (a communicator's callback, a generator "
+                "passed as gradients, a signal handler); wait for the call in progress to return."
+            )
+        self._busy = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._busy = False
+        self._lock.release()
 
 
 class _Record(NamedTuple):
@@ -136,7 +167,7 @@ class GradScaler:
         self._state = ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
         self._enabled = expect_bool(ConfigError, "enabled", enabled)
         self._vote: OverflowVote | None = overflow_vote_for(comm)
-        self._lock = threading.Lock()
+        self._exclusive = _Exclusive()
         self._phase = _IDLE
         # The open step's claims on gradient memory (None outside the unscaling part of a step).
         self._claims: StepClaims | None = None
@@ -182,17 +213,16 @@ class GradScaler:
                 ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-        with self._lock:
-            if not self._enabled:
-                return
+        with self._exclusive:
             if self._phase == _CHECKED:
                 raise ScalerProtocolError(
                     "scale_loss() was called after unscale_and_check() without an update() in between: update() "
                     "was forgotten. Each optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients), "
                     "optimizer step if it returned True, update(). Without update() the scale never adapts."
                 )
-            self._phase = _SCALED
-            backend.scale_loss(array, np.float32(self._state.scale))
+            self._phase = _SCALED  # also while disabled: enabling now would unscale a loss that was not scaled
+            if self._enabled:
+                backend.scale_loss(array, np.float32(self._state.scale))
 
     def unscale_and_check(self, gradients: Any) -> bool:
         """Unscale every gradient in place and return True if all were finite.
@@ -224,9 +254,10 @@ class GradScaler:
                 already unscaled in this step (also a ``RuntimeError``).
             CommunicatorError: The communicator failed or answered garbage.
         """
-        with self._lock:
+        with self._exclusive:
             if not self._enabled:
                 parse_gradients(gradients)
+                self._phase = _CHECKED
                 return True
             vote = self._vote
             try:
@@ -259,19 +290,25 @@ class GradScaler:
     def _run(self, call: Call, vote: OverflowVote | None) -> bool:
         """Unscale a claimed call, vote, and record the verdict; any failure counts as an overflow."""
         voted = False
+        unscaled = None
         try:
             if call.backend is None:  # nothing to unscale; with a communicator this rank still votes
-                voted = vote is not None
-                local, agreed, culprits = False, host_answer(vote, False) if vote is not None else None, ()
+                local, agreed, culprits = False, None, ()
+                if vote is not None:
+                    answer = cast_host_vote(vote, False)
+                    voted = True
+                    agreed = host_verdict(answer, False)
             else:
                 unscaled = call.backend.unscale(
                     call.plan, call.arrays, inverse_scale(self._state.scale), vote is not None
                 )
                 if vote is not None:
+                    unscaled.vote(vote)  # a vote that raises took no part: vote_after_failure votes below
                     voted = True
-                    unscaled.vote(vote)
                 local, agreed, culprits = unscaled.result()
         except BaseException as error:
+            if unscaled is not None:
+                unscaled.abandon()
             self._record_failure(call.labels)
             if vote is not None and not voted:
                 vote_after_failure(vote, error)
@@ -290,8 +327,9 @@ class GradScaler:
         Raises:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
-        with self._lock:
+        with self._exclusive:
             if not self._enabled:
+                self._phase = _IDLE
                 return
             if self._phase != _CHECKED:
                 raise ScalerProtocolError(
@@ -321,8 +359,8 @@ class GradScaler:
         (``None`` entries count) or their names when a mapping was passed.
         Empty when the step was clean. Never synchronizes the device.
         """
-        with self._lock:
-            return [record.labels[position] for record in self._records for position in record.culprits]
+        records = self._records  # replaced, never emptied in place, when a new step begins: a consistent read
+        return [record.labels[position] for record in records for position in record.culprits]
 
     def set_enabled(self, enabled: bool) -> None:
         """Turn scaling on or off between steps.
@@ -333,7 +371,7 @@ class GradScaler:
                 or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-        with self._lock:
+        with self._exclusive:
             if flag != self._enabled:
                 self._require_no_step("set_enabled() cannot switch the scaler")
             self._enabled = flag
@@ -344,21 +382,20 @@ class GradScaler:
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (never synchronizes)."""
-        with self._lock:
-            state = self._state
-            last = ("local" if self._found_overflow_local else "remote") if self._found_overflow else "none"
-            return GradScalerStats(
-                scale=state.scale,
-                consecutive_good_steps=state.consecutive_good_steps,
-                hysteresis_tracker=state.hysteresis_tracker,
-                enabled=self._enabled,
-                steps=state.steps,
-                skipped_steps=state.skipped_steps,
-                growths=state.growths,
-                backoffs=state.backoffs,
-                remote_skipped_steps=state.remote_skipped_steps,
-                last_overflow=last,
-            )
+        state = self._state  # immutable: a consistent read without the lock, even from a signal handler
+        last = ("local" if self._found_overflow_local else "remote") if self._found_overflow else "none"
+        return GradScalerStats(
+            scale=state.scale,
+            consecutive_good_steps=state.consecutive_good_steps,
+            hysteresis_tracker=state.hysteresis_tracker,
+            enabled=self._enabled,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
+            last_overflow=last,
+        )
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit (never synchronizes).
@@ -366,7 +403,7 @@ class GradScaler:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        with self._lock:
+        with self._exclusive:
             self._require_no_step("checkpoint() cannot capture a resumable state")
             return GradScalerCheckpoint.capture(
                 self._config,
@@ -388,7 +425,7 @@ class GradScaler:
                 f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
                 f"read files with GradScalerCheckpoint.load(path)."
             )
-        with self._lock:
+        with self._exclusive:
             self._require_no_step("load_checkpoint() cannot replace the state")
             self._config = checkpoint.config()
             self._state = checkpoint.state()

@@ -37,6 +37,7 @@ from cupy_amp.errors import (
     CheckpointCorruptError,
     CheckpointFieldError,
     CheckpointVersionError,
+    CupyAmpError,
 )
 
 
@@ -367,3 +368,29 @@ def test_a_save_into_a_missing_directory_names_the_path(tmp_path: Path) -> None:
         golden().save(target)
     assert repr(str(target)) in str(info.value)
     assert ".tmp-" not in str(info.value)
+
+
+@pytest.mark.parametrize("path", [None, 0, 1.5, "a\0b"], ids=["None", "int", "float", "NUL"])
+def test_a_value_that_is_no_path_is_a_type_error_not_a_crash(path: Any) -> None:
+    with pytest.raises(TypeError, match="path") as info:
+        GradScalerCheckpoint.load(path)
+    assert isinstance(info.value, CupyAmpError)
+    with pytest.raises(TypeError, match="path"):
+        golden().save(path)
+
+
+def test_bytes_paths_and_the_longest_names_work(tmp_path: Path) -> None:
+    long_name = tmp_path / ("c" * 250 + ".ckpt")  # 255 bytes: the most most file systems allow
+    golden().save(long_name)
+    assert GradScalerCheckpoint.load(long_name) == golden()
+    as_bytes = os.fsencode(tmp_path / "scaler.ckpt")
+    golden().save(as_bytes)  # type: ignore[arg-type]
+    assert GradScalerCheckpoint.load(as_bytes) == golden()  # type: ignore[arg-type]
+    assert sorted(os.listdir(tmp_path)) == sorted([long_name.name, "scaler.ckpt"])
+
+
+def test_a_released_memoryview_is_a_type_error() -> None:
+    view = memoryview(GOLDEN_V2.read_bytes())
+    view.release()
+    with pytest.raises(TypeError, match="released"):
+        GradScalerCheckpoint.from_bytes(view)  # type: ignore[arg-type]

@@ -327,6 +327,15 @@ def test_file_names_that_are_not_utf8_never_cause_a_traceback(tmp_path: Path, en
     assert b"steps:" in runs["inspect"].stdout
 
 
+def test_a_file_name_with_a_newline_cannot_forge_an_ok_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    forged = tmp_path / "x\nOK  forged.ckpt"
+    make().save(forged)
+    assert main(["validate", str(forged)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1
+    assert out == f"OK  {str(forged)!r}\n"
+
+
 def test_version_and_python_m(tmp_path: Path) -> None:
     from cupy_amp import __version__
 

@@ -663,6 +663,43 @@ def test_gradient_accumulation_scales_every_micro_batch_loss_with_the_step_scale
     assert scaler.stats().steps == 1
 
 
+@pytest.mark.parametrize("change", ["set_enabled", "load_checkpoint"])
+def test_enabling_the_scaler_between_a_disabled_scale_loss_and_the_unscale_is_refused(change: str) -> None:
+    # The loss was not scaled (disabled); enabling now would divide its gradients by a scale never applied.
+    scaler = GradScaler(enabled=False)
+    enabled = GradScaler(init_scale=8.0).checkpoint()
+    scaler.scale_loss(np.array(2.0, np.float32))
+    with pytest.raises(ScalerProtocolError, match=r"scale_loss\(\) was called"):
+        {"set_enabled": lambda: scaler.set_enabled(True), "load_checkpoint": lambda: scaler.load_checkpoint(enabled)}[
+            change
+        ]()
+    grad = np.array([1.0], np.float32)
+    assert scaler.unscale_and_check([grad]) is True
+    assert grad.tolist() == [1.0]
+    scaler.update()
+    scaler.set_enabled(True)  # between steps: fine
+
+
+def test_a_disabled_scaler_keeps_the_step_order_too() -> None:
+    scaler = GradScaler(enabled=False)
+    scaler.scale_loss(np.array(1.0, np.float32))
+    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True
+    with pytest.raises(ScalerProtocolError, match="forgotten"):
+        scaler.scale_loss(np.array(1.0, np.float32))
+    scaler.update()
+    scaler.scale_loss(np.array(1.0, np.float32))
+
+
+def test_misaligned_numpy_arrays_are_refused_as_on_the_gpu() -> None:
+    raw = np.zeros(40, dtype=np.uint8)
+    misaligned = raw[1:33].view(np.float32)
+    assert not misaligned.flags.aligned
+    with pytest.raises(GradientValueError, match="misaligned"):
+        GradScaler().unscale_and_check([misaligned])
+    with pytest.raises(GradientValueError, match="misaligned"):
+        GradScaler().scale_loss(misaligned)
+
+
 def test_a_disabled_scaler_still_validates_unscale_and_checks_argument() -> None:
     scaler = GradScaler(enabled=False)
     with pytest.raises(GradientTypeError, match="#1"):

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupy_amp import DuplicateGradientError, GradScaler, numpy_backend
+from cupy_amp import DuplicateGradientError, GradScaler, ScalerProtocolError, numpy_backend
 
 
 @pytest.fixture
@@ -83,3 +83,49 @@ def test_update_from_another_thread_waits_for_the_call_in_flight() -> None:
     assert results == [True, None]
     assert scaler.stats().steps == 1
     assert [g.tolist() for g in grads] == [[2.0] * 3] * 5
+
+
+class CallbackVote:
+    """A communicator whose vote runs a callback first (as a user's transport might)."""
+
+    def __init__(self, callback: Any) -> None:
+        self.callback = callback
+        self.seen: list[Any] = []
+
+    def reduce_max(self, flags: Any, stream: Any) -> None:
+        raise AssertionError("NumPy gradients vote from the host")
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        self.seen.append(self.callback())
+        return local_overflow
+
+
+def test_reading_the_scaler_from_inside_its_own_call_works() -> None:
+    scaler: GradScaler
+    vote = CallbackVote(lambda: (scaler.stats().steps, scaler.had_overflow(), scaler.nonfinite_gradients()))
+    scaler = GradScaler(init_scale=4.0, comm=vote)
+    assert scaler.unscale_and_check([np.array([np.inf], np.float32)]) is False
+    assert vote.seen == [(0, False, [])]  # the call's verdict is recorded after its vote
+
+
+@pytest.mark.parametrize("method", ["update", "checkpoint", "unscale_and_check", "scale_loss", "set_enabled"])
+def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(method: str) -> None:
+    scaler: GradScaler
+    calls = {
+        "update": lambda: scaler.update(),
+        "checkpoint": lambda: scaler.checkpoint(),
+        "unscale_and_check": lambda: scaler.unscale_and_check([np.ones(2, np.float32)]),
+        "scale_loss": lambda: scaler.scale_loss(np.ones((), np.float32)),
+        "set_enabled": lambda: scaler.set_enabled(False),
+    }
+
+    def grads() -> Any:  # a generator passed as gradients runs inside the call
+        yield np.ones(2, np.float32)
+        calls[method]()
+
+    scaler = GradScaler(init_scale=4.0)
+    started = time.monotonic()
+    with pytest.raises(ScalerProtocolError, match="from inside one of its own calls"):
+        scaler.unscale_and_check(grads())
+    assert time.monotonic() - started < 5
+    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True  # the scaler still works
