@@ -89,16 +89,20 @@ def compile_options() -> tuple[str, ...]:
 
 
 _C_TYPES = {"<u8": "unsigned long long", "<i8": "long long", "<i4": "int", "<f4": "float"}
+# Each kernel file's entry points (one per dtype: PREFIX_float16...) and the struct they take, by value.
+_ENTRIES = {"unscale_check.cu": ("cupy_amp_unscale_check", "cupy_amp::UnscaleArgs"),
+            "scale_loss.cu": ("cupy_amp_scale_loss", "cupy_amp::ScaleArgs")}  # fmt: skip
 
 
-def layout_checks() -> str:
-    """Return C++ that fails to compile unless each kernel struct matches its NumPy dtype.
+def layout_checks(file_name: str) -> str:
+    """Return C++ that fails to compile unless each struct matches its NumPy dtype and each entry takes its struct.
 
-    A constant of the struct is built by aggregate initialization, which fills
+    A constant of each struct is built by aggregate initialization, which fills
     the fields in declaration order: each field must hold its own probe value
-    and have the dtype's type, and the sizes must agree. Same fields, same
-    order, same types and same size give the same offsets under C's layout
-    rules, which the dtypes follow (``align=True``).
+    and have the dtype's type; a structured binding must name exactly the
+    dtype's fields; the sizes must agree. Same fields, order, types and size
+    give the same offsets under C's layout rules, which the dtypes follow
+    (``align=True``). The file's entry points must take their struct by value.
     """
     lines = [
         "namespace cupy_amp_layout_checks {",
@@ -106,21 +110,28 @@ def layout_checks() -> str:
         "template <class A> struct same<A, A> { static constexpr bool value = true; };",
     ]
     for number, (struct, dtype) in enumerate(_STRUCTS.items()):
-        probe = f"probe{number}"
-        lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(dtype.names or ())))}}};")
+        probe, names = f"probe{number}", dtype.names or ()
+        bound = ", ".join(f"b{i}" for i in range(len(names)))
+        lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(names)))}}};")
         lines.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from Python");')
-        for index, name in enumerate(dtype.names or ()):
+        used = "; ".join(f"(void)b{i}" for i in range(len(names)))
+        lines.append(f"inline void count{number}() {{ auto [{bound}] = {probe}; {used}; }}  // exactly these fields")
+        for index, name in enumerate(names):
             c_type = _C_TYPES[dtype[name].str]
             lines.append(
                 f"static_assert({probe}.{name} == {index + 1} && same<decltype({struct}::{name}), {c_type}>::value, "
                 f'"{struct}::{name}: position or type differs from Python");'
             )
+    prefix, struct = _ENTRIES[file_name]
+    for dtype_name in _DTYPE_NAMES.values():
+        entry = f"{prefix}_{dtype_name}"
+        lines.append(f'static_assert(same<decltype(&{entry}), void (*)({struct})>::value, "{entry}: signature");')
     return "\n".join([*lines, "}  // namespace cupy_amp_layout_checks"]) + "\n"
 
 
 def compile_source(file_name: str, directory: Traversable | None = None) -> str:
     """Return what is compiled for ``file_name``: its inlined source, then the layout checks."""
-    return read_kernel_source(file_name, directory) + '#line 1 "layout_checks"\n' + layout_checks()
+    return read_kernel_source(file_name, directory) + '#line 1 "layout_checks"\n' + layout_checks(file_name)
 
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
@@ -255,7 +266,7 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32) -> None:
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
 def _scale_launcher(dtype_name: str) -> _Launcher:
-    return _Launcher(_function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}"), SCALE_ARGS)
+    return _Launcher(_function("scale_loss.cu", f"{_ENTRIES['scale_loss.cu'][0]}_{dtype_name}"), SCALE_ARGS)
 
 
 class _Table(NamedTuple):
@@ -346,7 +357,7 @@ def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
     launch = None
     if chunk_count:
         launch = _Launcher(
-            _function("unscale_check.cu", f"cupy_amp_unscale_check_{dtype_name}"),
+            _function("unscale_check.cu", f"{_ENTRIES['unscale_check.cu'][0]}_{dtype_name}"),
             UNSCALE_ARGS,
             chunks=memory.data.ptr,
             layouts=memory.data.ptr + records.nbytes,

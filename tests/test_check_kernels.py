@@ -93,7 +93,7 @@ def test_compiled_source_is_the_inlined_kernel_source(monkeypatch: pytest.Monkey
 
     assert sources == [compile_source("unscale_check.cu")]
     assert sources[0].startswith('#line 1 "unscale_check.cu"')
-    assert sources[0].endswith(layout_checks())
+    assert sources[0].endswith(layout_checks("unscale_check.cu"))
 
 
 def test_planted_warning_fails_and_points_at_its_line(kernel_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -173,10 +173,11 @@ def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
         ),
         # A field's type changed to another of the same size.
         ("    int epoch;", "    float epoch;", "cupy_amp::UnscaleArgs::epoch"),
-        # A field added.
+        # A field added, changing the size, and one added into the padding, not changing it.
         ("    float scale;\n};", "    float scale;\n    long long planted;\n};", "cupy_amp::ScaleArgs"),
+        ("    float scale;\n};", "    float scale;\n    int planted;\n};", "more elements"),
     ],
-    ids=["swapped", "retyped", "added"],
+    ids=["swapped", "retyped", "added", "added-into-padding"],
 )
 def test_a_struct_that_no_longer_matches_its_numpy_mirror_fails_to_compile(
     kernel_copy: Path, old: str, new: str, field: str
@@ -188,3 +189,15 @@ def test_a_struct_that_no_longer_matches_its_numpy_mirror_fails_to_compile(
     results = check_kernels.check_all(("80",), kernel_copy)
     assert not any(result.ok for result in results)
     assert all(any(field in line for line in result.diagnostics) for result in results)
+
+
+def test_an_entry_point_that_no_longer_takes_its_struct_by_value_fails_to_compile(kernel_copy: Path) -> None:
+    target = kernel_copy / "unscale_check.cu"
+    text = target.read_text(encoding="utf-8")
+    assert "NAME(const cupy_amp::UnscaleArgs args)" in text
+    text = text.replace("NAME(const cupy_amp::UnscaleArgs args)", "NAME(const cupy_amp::UnscaleArgs* pointer)")
+    text = text.replace("unscale_check<cupy_amp::TYPE>(args);", "unscale_check<cupy_amp::TYPE>(*pointer);")
+    target.write_text(text, encoding="utf-8")
+    result = check_kernels.compile_kernel("unscale_check.cu", "80", kernel_copy)
+    assert not result.ok
+    assert any("cupy_amp_unscale_check_float32: signature" in line for line in result.diagnostics)
