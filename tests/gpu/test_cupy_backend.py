@@ -12,7 +12,14 @@ from helpers import assert_same_bits as assert_array_bits
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_amp import CommunicatorError, DuplicateGradientError, GradientValueError, GradScaler, cupy_backend  # noqa: E402
+from cupy_amp import (  # noqa: E402
+    CommunicatorError,
+    DuplicateGradientError,
+    GradientSet,
+    GradientValueError,
+    GradScaler,
+    cupy_backend,
+)
 
 UINT = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
 NAN_PAYLOADS = {
@@ -587,3 +594,40 @@ def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_lau
         GradScaler(init_scale=2.0, comm=CountingVote(0)).unscale_and_check(grads)
     assert votes == [True]  # voted "overflow" once, from the host
     assert [float(g[0]) for g in grads] == [8.0, 8.0]
+
+
+def test_a_gradient_set_built_on_a_busy_stream_is_complete_when_used_on_another() -> None:
+    # Its device tables are uploaded on the stream current at construction; a launch from another
+    # stream must not read them before they arrive (it read stale or freed records before).
+    for _ in range(3):
+        grads = [cupy.full(1000 + i, 4.0, cupy.float32) for i in range(8)]
+        grads[5][123] = cupy.inf
+        cupy.cuda.Device().synchronize()
+        busy, other = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+        with busy:
+            spin = cupy.RawKernel(SPIN_SOURCE, "cupy_amp_test_spin")
+            spin((1,), (1,), (np.int64(100_000_000),))  # about 50 ms
+            gradient_set = GradientSet(grads)
+        with other:
+            scaler = GradScaler(init_scale=2.0)
+            assert scaler.unscale_and_check(gradient_set) is False
+            assert scaler.nonfinite_gradients() == [5]
+        assert float(grads[0][0]) == 2.0
+
+
+@pytest.mark.multi_gpu
+def test_flags_of_a_busy_second_device_are_read_after_its_kernels() -> None:
+    # The inf is on device 1, whose stream is busy; device 0 is current. Its flag must be read after
+    # device 1's kernel, not after a synchronization of device 0's stream.
+    if device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+    with cupy.cuda.Device(0):
+        first = cupy.ones(1000, cupy.float32)
+    with cupy.cuda.Device(1):
+        second = cupy.ones(1 << 20, cupy.float32)
+        cupy.cuda.Device().synchronize()
+        write_inf_late(second)  # spins ~50 ms on device 1's current stream, then writes the inf
+    with cupy.cuda.Device(0):
+        scaler = GradScaler()
+        assert scaler.unscale_and_check([first, second]) is False
+        assert scaler.nonfinite_gradients() == [1]
