@@ -22,14 +22,16 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from importlib.abc import Traversable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cupy
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, device_answer
 from cupy_amp.kernel_sources import read_kernel_source
+
+if TYPE_CHECKING:
+    from importlib.abc import Traversable
 
 __all__ = [
     "CHUNK",

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import re
 from importlib import resources
-from importlib.abc import Traversable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cupy_amp.errors import KernelSourceNotFoundError
+
+if TYPE_CHECKING:  # importlib.resources.abc from Python 3.11 on
+    from importlib.abc import Traversable
 
 __all__ = ["KERNEL_FILES", "kernel_directory", "read_kernel_source"]
 
