@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from checkpoint_documents import (
     with_fields,
 )
 
+from cupy_amp import GradScaler
 from cupy_amp.checkpoint import (
     GradScalerCheckpoint,
 )
@@ -231,3 +233,15 @@ def test_an_int_the_format_cannot_store_is_refused_at_construction(name: str) ->
     ):
         with_fields(**changes)
     assert with_fields(**{**changes, name: 2**64 - 1}).to_bytes()
+
+
+def test_to_torch_state_dict_warns_about_what_pytorch_runs_without() -> None:
+    clamped = GradScaler().checkpoint()  # the default clamps, [1, 2**24]
+    with pytest.warns(UserWarning, match=r"drops min_scale=1\.0, max_scale=16777216\.0"):
+        state_dict = clamped.to_torch_state_dict()
+    assert state_dict["scale"] == 65536.0
+    with pytest.warns(UserWarning, match="hysteresis=3"):
+        GradScaler(min_scale=None, max_scale=None, hysteresis=3).checkpoint().to_torch_state_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        GradScaler(min_scale=None, max_scale=None).checkpoint().to_torch_state_dict()  # nothing lost: silent

@@ -1,0 +1,74 @@
+"""Host time of one kernel launch: cupy-amp's driver launch from a reused argument block, against CuPy's call.
+
+Both launch the same compiled unscale kernel with the same struct argument
+(``cupy_backend.UNSCALE_ARGS``) over a one-chunk table; the kernel is tiny,
+so N launches queued back to back take N times the host cost of a launch.
+This is the measurement that decides whether the driver launch is worth its
+code (issue 12): CuPy's ``RawKernel.__call__`` accepts the struct as a
+one-element NumPy structured array.
+
+Usage: PYTHONPATH=. python tools/bench_launch.py [--launches 2000] [--repeats 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any
+
+import cupy
+import numpy as np
+
+from cupy_amp import cupy_backend
+
+
+def per_launch_us(launch: Any, launches: int, repeats: int) -> float:
+    samples = []
+    for _ in range(repeats):
+        cupy.cuda.Device().synchronize()
+        begin = time.perf_counter()
+        for _ in range(launches):
+            launch()
+        elapsed = time.perf_counter() - begin
+        cupy.cuda.Device().synchronize()
+        samples.append(elapsed / launches * 1e6)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--launches", type=int, default=2000, help="launches queued per sample")
+    parser.add_argument("--repeats", type=int, default=15, help="samples (the median is shown)")
+    args = parser.parse_args(argv)
+    grads = [cupy.ones(16, dtype=cupy.float32)]
+    (group,) = cupy_backend.prepare(grads)
+    table = group.table
+    flag = cupy.zeros(1, dtype=cupy.int32)
+    stream = cupy.cuda.get_current_stream()
+    factor = np.float32(1.0)
+
+    def driver() -> None:
+        table.launch(1, stream.ptr, inv_scale=factor, epoch=1, found=flag.data.ptr)
+
+    kernel = cupy_backend._module("unscale_check.cu").get_function("cupy_amp_unscale_check_float32")
+    record = np.zeros(1, cupy_backend.UNSCALE_ARGS)
+    record["chunks"] = table.memory.data.ptr
+    record["layouts"] = table.memory.data.ptr + 32 * table.chunk_count
+    record["chunk_count"] = table.chunk_count
+    record["tensor_found"] = table.tensor_found.data.ptr
+    record["found"] = flag.data.ptr
+
+    def cupy_call() -> None:
+        record["inv_scale"] = factor
+        record["epoch"] = 1
+        kernel((1,), (cupy_backend.THREADS,), (record,))
+
+    for name, launch in (("driver launch, reused block", driver), ("CuPy RawKernel call", cupy_call)):
+        launch()
+        print(f"{name:30} {per_launch_us(launch, args.launches, args.repeats):6.2f} us per launch")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
