@@ -22,6 +22,7 @@ import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import cupy
@@ -29,6 +30,7 @@ import numpy as np
 
 from cupy_amp.distributed import OverflowVote, device_answer
 from cupy_amp.kernel_sources import read_kernel_source
+from cupy_amp.rule import ScalerConfig, ScalerState
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
@@ -39,8 +41,11 @@ __all__ = [
     "LAYOUT_FIXED",
     "NAME",
     "SCALE_ARGS",
+    "STATE",
+    "STATE_ARGS",
     "THREADS",
     "UNSCALE_ARGS",
+    "DeviceState",
     "as_array",
     "compile_options",
     "layout_checks",
@@ -72,17 +77,61 @@ UNSCALE_ARGS = np.dtype(
         ("layouts", "<u8"),
         ("chunk_count", "<i8"),
         ("found", "<u8"),
+        ("finite", "<u8"),
         ("tensor_found", "<u8"),
+        ("state", "<u8"),
+        ("epoch", "<u8"),
         ("inv_scale", "<f4"),
-        ("epoch", "<i4"),
     ],
     align=True,
 )
 SCALE_ARGS = np.dtype(
-    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("scale", "<f4")], align=True
+    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("state", "<u8"), ("scale", "<f4")],
+    align=True,
 )
-_STRUCTS = {"cupy_amp::Chunk": CHUNK, "cupy_amp::UnscaleArgs": UNSCALE_ARGS, "cupy_amp::ScaleArgs": SCALE_ARGS}
+STATE = np.dtype(
+    [
+        ("consecutive_good_steps", "<u8"),
+        ("hysteresis_tracker", "<u8"),
+        ("steps", "<u8"),
+        ("skipped_steps", "<u8"),
+        ("growths", "<u8"),
+        ("backoffs", "<u8"),
+        ("remote_skipped_steps", "<u8"),
+        ("epoch", "<u8"),
+        ("growth_factor", "<f8"),
+        ("backoff_factor", "<f8"),
+        ("floor", "<f8"),
+        ("max_scale", "<f8"),
+        ("growth_interval", "<u8"),
+        ("hysteresis", "<u8"),
+        ("scale", "<f4"),
+        ("found", "<i4"),
+        ("agreed", "<i4"),
+        ("finite", "u1"),
+    ],
+    align=True,
+)
+STATE_ARGS = np.dtype([("state", "<u8")], align=True)
+_STRUCTS = {
+    "cupy_amp::Chunk": CHUNK,
+    "cupy_amp::UnscaleArgs": UNSCALE_ARGS,
+    "cupy_amp::ScaleArgs": SCALE_ARGS,
+    "cupy_amp::State": STATE,
+    "cupy_amp::StateArgs": STATE_ARGS,
+}
 _DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+# Each kernel file's entry points and the struct each takes, by value.
+_ENTRIES = {
+    "unscale_check.cu": {f"cupy_amp_unscale_check_{name}": "cupy_amp::UnscaleArgs" for name in _DTYPE_NAMES.values()},
+    "scale_loss.cu": {f"cupy_amp_scale_loss_{name}": "cupy_amp::ScaleArgs" for name in _DTYPE_NAMES.values()},
+    "step_state.cu": {
+        "cupy_amp_begin_step": "cupy_amp::StateArgs",
+        "cupy_amp_combine_vote": "cupy_amp::StateArgs",
+        "cupy_amp_mark_overflow": "cupy_amp::StateArgs",
+        "cupy_amp_update_state": "cupy_amp::StateArgs",
+    },
+}
 
 
 def compile_options() -> tuple[str, ...]:
@@ -90,10 +139,14 @@ def compile_options() -> tuple[str, ...]:
     return ("--std=c++17", f"-DCUPY_AMP_THREADS={THREADS}")
 
 
-_C_TYPES = {"<u8": "unsigned long long", "<i8": "long long", "<i4": "int", "<f4": "float"}
-# Each kernel file's entry points (one per dtype: PREFIX_float16...) and the struct they take, by value.
-_ENTRIES = {"unscale_check.cu": ("cupy_amp_unscale_check", "cupy_amp::UnscaleArgs"),
-            "scale_loss.cu": ("cupy_amp_scale_loss", "cupy_amp::ScaleArgs")}  # fmt: skip
+_C_TYPES = {
+    "<u8": "unsigned long long",
+    "<i8": "long long",
+    "<i4": "int",
+    "<f4": "float",
+    "<f8": "double",
+    "|u1": "unsigned char",
+}
 
 
 def layout_checks(file_name: str) -> str:
@@ -116,17 +169,14 @@ def layout_checks(file_name: str) -> str:
         bound = ", ".join(f"b{i}" for i in range(len(names)))
         lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(names)))}}};")
         lines.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from Python");')
-        used = "; ".join(f"(void)b{i}" for i in range(len(names)))
-        lines.append(f"inline void count{number}() {{ auto [{bound}] = {probe}; {used}; }}  // exactly these fields")
+        lines.append(f"inline void count{number}() {{ [[maybe_unused]] auto [{bound}] = {probe}; }}  // these fields")
         for index, name in enumerate(names):
             c_type = _C_TYPES[dtype[name].str]
             lines.append(
                 f"static_assert({probe}.{name} == {index + 1} && same<decltype({struct}::{name}), {c_type}>::value, "
                 f'"{struct}::{name}: position or type differs from Python");'
             )
-    prefix, struct = _ENTRIES[file_name]
-    for dtype_name in _DTYPE_NAMES.values():
-        entry = f"{prefix}_{dtype_name}"
+    for entry, struct in _ENTRIES[file_name].items():
         lines.append(f'static_assert(same<decltype(&{entry}), void (*)({struct})>::value, "{entry}: signature");')
     return "\n".join([*lines, "}  // namespace cupy_amp_layout_checks"]) + "\n"
 
@@ -154,8 +204,9 @@ class _Launcher:
     be refilled right after; the lock keeps two threads from interleaving.
     """
 
-    def __init__(self, function: Any, dtype: np.dtype[Any], **fixed: int) -> None:
+    def __init__(self, function: Any, dtype: np.dtype[Any], threads: int = THREADS, **fixed: int) -> None:
         self._function = function  # holds the module loaded
+        self._threads = threads
         self._record = np.zeros(1, dtype)
         for name, value in fixed.items():
             self._record[name] = value
@@ -170,7 +221,7 @@ class _Launcher:
         with self._lock:
             for name, value in values.items():
                 self._fields[name][0] = value
-            cupy.cuda.driver.launchKernel(function, grid, 1, 1, THREADS, 1, 1, 0, stream, params, 0)
+            cupy.cuda.driver.launchKernel(function, grid, 1, 1, self._threads, 1, 1, 0, stream, params, 0)
 
 
 def as_array(obj: Any) -> Any | None:
@@ -245,8 +296,11 @@ def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
     return device
 
 
-def scale_loss(loss: cupy.ndarray, factor: np.float32) -> None:
-    """Multiply ``loss`` in place by ``factor`` on the current stream (never synchronizes)."""
+def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
+    """Multiply ``loss`` in place by ``factor``, or by the scale of ``state`` (a State's address), if not 0.
+
+    Queued on the current stream; never synchronizes.
+    """
     if loss.size == 0:
         return
     with _on_device(loss.data.device_id):
@@ -262,13 +316,14 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32) -> None:
             numel=loss.size,
             layout=0 if layout is None else layout.data.ptr,
             chunk_size=chunk,
+            state=state,
             scale=factor,
         )
 
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
 def _scale_launcher(dtype_name: str) -> _Launcher:
-    return _Launcher(_function("scale_loss.cu", f"{_ENTRIES['scale_loss.cu'][0]}_{dtype_name}"), SCALE_ARGS)
+    return _Launcher(_function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}"), SCALE_ARGS)
 
 
 class _Table(NamedTuple):
@@ -276,7 +331,7 @@ class _Table(NamedTuple):
 
     chunk_count: int
     memory: cupy.ndarray  # the chunk records, then the layouts of strided tensors
-    tensor_found: cupy.ndarray  # per tensor: the epoch of the last launch that saw inf/nan in it
+    tensor_found: cupy.ndarray  # uint64 per tensor: the epoch of the last launch that saw inf/nan in it
     launch: _Launcher | None  # None when the group has no elements
 
 
@@ -352,14 +407,14 @@ def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
     memory = cupy.empty(max(host.size, 1), dtype=np.uint8)
     if host.size:
         memory[: host.size].set(host, stream=stream)
-    tensor_found = cupy.zeros(count, dtype=np.int32)
+    tensor_found = cupy.zeros(count, dtype=np.uint64)
     # A table may be launched from another stream or thread (a GradientSet, the shared cache): it must be
     # complete on the device before it is handed out. Tables are built once per layout, so this wait is rare.
     stream.synchronize()
     launch = None
     if chunk_count:
         launch = _Launcher(
-            _function("unscale_check.cu", f"{_ENTRIES['unscale_check.cu'][0]}_{dtype_name}"),
+            _function("unscale_check.cu", f"cupy_amp_unscale_check_{dtype_name}"),
             UNSCALE_ARGS,
             chunks=memory.data.ptr,
             layouts=memory.data.ptr + records.nbytes,
@@ -376,7 +431,8 @@ class _Flags:
     its first word directly (with unified addressing its host pointer is valid
     on the device), so reading it costs a stream synchronization and no copy.
     With a vote, they write ``device[0]``, the all-reduce writes ``device[1]``,
-    and both are copied to ``host``.
+    and both are copied to ``host``. The kernels only ever write 1: flags are
+    cleared when a call takes them.
     """
 
     def __init__(self) -> None:
@@ -394,6 +450,8 @@ class _Flags:
 _spare_flags: dict[int, list[_Flags]] = {}
 _parked_flags: list[tuple[Any, int, _Flags]] = []
 _flags_lock = threading.Lock()
+# Per-tensor flags hold the epoch of the launch that saw inf/nan. These calls' epochs stay below 2**32;
+# a sync-free scaler's carry its own number in the high 32 bits (DeviceState), so none collide.
 _epochs = itertools.count(1)
 
 
@@ -416,23 +474,24 @@ def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32
     ``voting``, the plan has one device (the caller checked) and the flag goes
     to device memory, for :meth:`Unscaled.vote` to all-reduce.
     """
-    epoch = next(_epochs) % (2**31 - 1) + 1
+    epoch = next(_epochs) % (2**32 - 1) + 1
     unscaled = Unscaled(plan, {}, epoch, voting)
     try:
         for group in plan:
             with _on_device(group.device):
                 if group.device not in unscaled.launched:
                     stream = cupy.cuda.get_current_stream()
-                    unscaled.launched[group.device] = (stream, _take_flags(group.device))
+                    flags = _take_flags(group.device)
+                    unscaled.launched[group.device] = (stream, flags)
                     if voting:
-                        cupy.cuda.runtime.memsetAsync(
-                            unscaled.launched[group.device][1].device.data.ptr, 0, 8, stream.ptr
-                        )
+                        cupy.cuda.runtime.memsetAsync(flags.device.data.ptr, 0, 8, stream.ptr)
+                    else:
+                        flags.host[0] = 0  # no kernel writes flags that no call holds
                 stream, flags = unscaled.launched[group.device]
                 if group.table.launch is not None:
                     found = flags.device.data.ptr if voting else flags.mapped
                     grid = min(group.table.chunk_count, _MAX_GRID)
-                    group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found)
+                    group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found, finite=0, state=0)
     except BaseException:
         unscaled.abandon()
         raise
@@ -484,7 +543,7 @@ class Unscaled:
                     )  # fmt: skip
                 stream.synchronize()
                 local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
-                if local_flag == self._epoch:
+                if local_flag != 0:
                     local = True
                     for group in self._plan:
                         if group.device == device:
@@ -505,9 +564,8 @@ class Unscaled:
                 with _on_device(device):
                     event = cupy.cuda.Event(disable_timing=True)
                     event.record(stream)
-            except (
-                Exception
-            ):  # a broken context: keep the flags referenced forever rather than free them under a kernel
+            except Exception:
+                # A broken context: keep the flags referenced forever rather than free them under a kernel.
                 _lost_flags.append(flags)
                 continue
             with _flags_lock:
@@ -516,3 +574,128 @@ class Unscaled:
 
 
 _lost_flags: list[_Flags] = []
+
+
+# Sync-free scalers: their state in device memory (the State struct), stepped by one-thread kernels.
+
+_owners = itertools.count(1)  # each DeviceState's number, the high 32 bits of its epochs
+_owners_lock = threading.Lock()
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _step_launcher(entry: str) -> _Launcher:
+    return _Launcher(_function("step_state.cu", entry), STATE_ARGS, threads=1)
+
+
+class DeviceState:
+    """A sync-free scaler's State (configuration included) in device memory, and the launches that step it.
+
+    Every method queues work on the device's current stream and returns
+    without waiting, except :meth:`snapshot`, :meth:`restore` and
+    :meth:`culprits`, which synchronize. Launch arguments never change from
+    step to step (only this state's address), so every launch can be captured
+    in a CUDA graph and replayed, and :meth:`restore` (a loaded checkpoint)
+    reaches graphs captured before it.
+    """
+
+    def __init__(
+        self, device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+    ) -> None:
+        self.device = device
+        with _on_device(device):
+            self._memory = cupy.zeros(STATE.itemsize, dtype=np.uint8)
+            # Loaded now, not at a first call that may come inside a CUDA graph capture (which cannot load modules).
+            for entry in _ENTRIES["step_state.cu"]:
+                _step_launcher(entry)
+            for dtype_name in _DTYPE_NAMES.values():
+                _scale_launcher(dtype_name)
+        with _owners_lock:
+            self._owner = (next(_owners) % 2**32) << 32
+        self.address = int(self._memory.data.ptr)
+        self.finite = self._memory[STATE.fields["finite"][1] :][:1].view(np.bool_).reshape(())
+        found = STATE.fields["found"][1]
+        self._vote_flags = self._memory[found : found + 8].view(np.int32)  # found, agreed: the vote's two flags
+        self.restore(config, state, overflow, local, epoch)
+
+    def _launch(self, entry: str) -> None:
+        with _on_device(self.device):
+            _step_launcher(entry)(1, cupy.cuda.get_current_stream().ptr, state=self.address)
+
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int]:
+        """Wait for the device's current stream; return (state, the step's verdict, this rank's own overflow, epoch)."""
+        with _on_device(self.device):
+            (record,) = self._memory.get(stream=cupy.cuda.get_current_stream()).view(STATE)  # synchronizes
+        counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
+        state = ScalerState(scale=float(record["scale"]), **counters)
+        return state, not record["finite"], bool(record["found"]), int(record["epoch"]) & 0xFFFFFFFF
+
+    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+        """Replace the State in place (synchronizes); epochs keep this state's own number in their high bits."""
+        record = np.zeros((), dtype=STATE)
+        for name, value in asdict(state).items():
+            record[name] = value
+        record["growth_factor"] = config.growth_factor
+        record["backoff_factor"] = config.backoff_factor
+        record["floor"] = config.floor
+        record["max_scale"] = np.inf if config.max_scale is None else config.max_scale
+        record["growth_interval"] = config.growth_interval
+        record["hysteresis"] = config.hysteresis
+        record["epoch"] = self._owner | (epoch & 0xFFFFFFFF)
+        record["found"] = local
+        record["agreed"] = overflow
+        record["finite"] = not overflow
+        with _on_device(self.device):
+            stream = cupy.cuda.get_current_stream()
+            self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8), stream=stream)
+            stream.synchronize()  # the host record is a temporary
+
+    def scale_loss(self, loss: cupy.ndarray) -> None:
+        scale_loss(loss, np.float32(0), self.address)
+
+    def begin_step(self) -> None:
+        self._launch("cupy_amp_begin_step")
+
+    def unscale(self, call: Any) -> None:
+        """Queue the unscale of a parsed call (its arrays on this device), reading factor and epoch from the State.
+
+        Returns None: the culprits are read later, by :meth:`culprits`.
+        """
+        found = self.address + STATE.fields["found"][1]
+        finite = self.address + STATE.fields["finite"][1]
+        with _on_device(self.device):
+            stream = cupy.cuda.get_current_stream()
+            for group in call.plan:
+                if group.table.launch is not None:
+                    grid = min(group.table.chunk_count, _MAX_GRID)
+                    group.table.launch(
+                        grid, stream.ptr, inv_scale=0, epoch=0, found=found, finite=finite, state=self.address
+                    )
+
+    def vote(self, vote: OverflowVote) -> None:
+        """Queue the MAX all-reduce of this rank's flag (never synchronizes).
+
+        If ``reduce_max`` raises, it queued nothing (NCCL's contract): this rank took no part.
+        """
+        with _on_device(self.device):
+            vote.reduce_max(self._vote_flags, cupy.cuda.get_current_stream())
+
+    def combine(self) -> None:
+        """Queue the step's verdict from the all-reduced flag: any rank's overflow, this rank's always."""
+        self._launch("cupy_amp_combine_vote")
+
+    def mark_overflow(self) -> None:
+        self._launch("cupy_amp_mark_overflow")
+
+    def update(self) -> None:
+        self._launch("cupy_amp_update_state")
+
+    def culprits(self, call: Any, epoch: int) -> tuple[int, ...]:
+        """Return the positions of a call's arrays whose flag holds step ``epoch`` (synchronizes)."""
+        epoch = self._owner | epoch
+        positions: list[int] = []
+        with _on_device(self.device):
+            stream = cupy.cuda.get_current_stream()
+            for group in call.plan:
+                seen = group.table.tensor_found.get(stream=stream)
+                positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
+        return tuple(sorted(positions))

@@ -13,8 +13,9 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict
+from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 
-__all__ = ["LAYOUT_FIXED", "NAME", "location", "prepare", "scale_loss", "unscale", "write_problem"]
+__all__ = ["LAYOUT_FIXED", "NAME", "HostState", "location", "prepare", "scale_loss", "unscale", "write_problem"]
 
 NAME = "numpy"
 # NumPy lets an array's strides, dtype and writability change in place: validate on every call.
@@ -82,6 +83,73 @@ class Unscaled:
 
     def abandon(self) -> None:
         """Nothing is in flight on the host."""
+
+
+def _multiply(array: np.ndarray, factor: np.float32) -> None:
+    if array.dtype == np.float64:
+        np.multiply(array, np.float64(factor), out=array)
+    else:
+        np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
+
+
+class HostState:
+    """A sync-free scaler's state on the host: the reference for :class:`~cupy_amp.cupy_backend.DeviceState`.
+
+    The same operations with the same meaning, for NumPy arrays (and for a
+    scaler that has met no array yet): ``finite`` is a 0-d bool array to gate
+    updates with, and :meth:`update` is :func:`~cupy_amp.rule.next_state` itself.
+    """
+
+    device = -1
+
+    def __init__(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+        self.finite = np.ones((), dtype=np.bool_)
+        self._answer: object = None
+        self.restore(config, state, overflow, local, epoch)
+
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int]:
+        """Return (state, the step's verdict, this rank's own overflow, epoch)."""
+        return self._state, not bool(self.finite), self._found, self._epoch
+
+    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+        self._config, self._state, self._found, self._epoch = config, state, local, epoch
+        self.finite[()] = not overflow
+
+    def scale_loss(self, loss: np.ndarray) -> None:
+        scale_loss(loss, np.float32(self._state.scale))
+
+    def begin_step(self) -> None:
+        self._epoch = self._epoch % (2**32 - 1) + 1
+        self._found = False
+        self.finite[()] = True
+
+    def unscale(self, call: Any) -> tuple[int, ...]:
+        """Unscale a parsed call's arrays; return the positions of those that held inf/nan."""
+        culprits = unscale(None, call.arrays, inverse_scale(self._state.scale), False).result()[2]
+        if culprits:
+            self.mark_overflow()
+        return culprits
+
+    def vote(self, vote: OverflowVote) -> None:
+        """Take part in the vote with this rank's flag (synchronizing; raises if this rank took no part)."""
+        self._answer = cast_host_vote(vote, self._found)
+
+    def combine(self) -> None:
+        """Take the vote's verdict; this rank's own overflow counts whatever it says.
+
+        Raises:
+            CommunicatorError: The answer was not a bool.
+        """
+        answer, self._answer = self._answer, None
+        if host_verdict(answer, self._found):
+            self.finite[()] = False
+
+    def mark_overflow(self) -> None:
+        self._found = True
+        self.finite[()] = False
+
+    def update(self) -> None:
+        self._state = next_state(self._config, self._state, not bool(self.finite), self._found)
 
 
 def _multiply(array: np.ndarray, factor: np.float32) -> None:

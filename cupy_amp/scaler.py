@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Hashable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
@@ -11,14 +10,12 @@ import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict, overflow_vote_for, vote_after_failure
-from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
+from cupy_amp.errors import ArgumentTypeError, ConfigError
 from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_scale, inverse_scale, next_state
+from cupy_amp.step_order import CHECKED, IDLE, StepOrder
 
 __all__ = ["GradScaler", "GradScalerStats"]
-
-# Where a step stands: no step open; the loss was scaled; gradients were unscaled (update() is next).
-_IDLE, _SCALED, _CHECKED = "idle", "scaled", "checked"
 
 
 @dataclass(frozen=True)
@@ -59,37 +56,6 @@ class GradScalerStats:
         # One line, field=value with the field names; nine significant digits name every float32 exactly.
         fields = " ".join(f"{name}={value}" for name, value in asdict(self).items() if name != "scale")
         return f"scale={self.scale:.9g} {fields}"
-
-
-class _Exclusive:
-    """Serializes the calls that change a scaler, and refuses one made from inside another.
-
-    A thread waits for another thread's call to end. The same thread calling
-    in again (from a communicator's callback, a generator passed as gradients,
-    a signal handler) would otherwise deadlock or interleave two calls' steps:
-    that raises instead. Reads (``stats``, ``had_overflow``...) take no lock:
-    they read immutable values.
-    """
-
-    __slots__ = ("_busy", "_lock")
-
-    def __init__(self) -> None:
-        self._lock = threading.RLock()
-        self._busy = False
-
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        if self._busy:
-            self._lock.release()
-            raise ScalerProtocolError(
-                "The scaler was called from inside one of its own calls (a communicator's callback, a generator "
-                "passed as gradients, a signal handler); wait for the call in progress to return."
-            )
-        self._busy = True
-
-    def __exit__(self, *exc: object) -> None:
-        self._busy = False
-        self._lock.release()
 
 
 class _Record(NamedTuple):
@@ -167,8 +133,7 @@ class GradScaler:
         self._state = ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
         self._enabled = expect_bool(ConfigError, "enabled", enabled)
         self._vote: OverflowVote | None = overflow_vote_for(comm)
-        self._exclusive = _Exclusive()
-        self._phase = _IDLE
+        self._order = StepOrder()
         # The open step's claims on gradient memory (None outside the unscaling part of a step).
         self._claims: StepClaims | None = None
         # The current step's calls, or the last step's once update() closed it.
@@ -213,14 +178,8 @@ class GradScaler:
                 ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-        with self._exclusive:
-            if self._phase == _CHECKED:
-                raise ScalerProtocolError(
-                    "scale_loss() was called after unscale_and_check() without an update() in between: update() "
-                    "was forgotten. Each optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients), "
-                    "optimizer step if it returned True, update(). Without update() the scale never adapts."
-                )
-            self._phase = _SCALED  # also while disabled: enabling now would unscale a loss that was not scaled
+        with self._order:
+            self._order.scale_loss()  # also while disabled: enabling now would unscale a loss that was not scaled
             if self._enabled:
                 backend.scale_loss(array, np.float32(self._state.scale))
 
@@ -254,10 +213,10 @@ class GradScaler:
                 already unscaled in this step (also a ``RuntimeError``).
             CommunicatorError: The communicator failed or answered garbage.
         """
-        with self._exclusive:
+        with self._order:
             if not self._enabled:
                 parse_gradients(gradients)
-                self._phase = _CHECKED
+                self._order.phase = CHECKED
                 return True
             vote = self._vote
             try:
@@ -276,12 +235,12 @@ class GradScaler:
             return self._run(call, vote)
 
     def _begin_checks(self) -> None:
-        self._phase = _CHECKED
+        self._order.phase = CHECKED
         self._records = []
         self._found_overflow = self._found_overflow_local = False
 
     def _record_failure(self, labels: tuple[Hashable, ...]) -> None:
-        if self._phase != _CHECKED:
+        if self._order.phase != CHECKED:
             self._begin_checks()
             self._claims = StepClaims()
         self._records.append(_Record(labels, ()))
@@ -327,19 +286,13 @@ class GradScaler:
         Raises:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
-        with self._exclusive:
+        with self._order:
             if not self._enabled:
-                self._phase = _IDLE
+                self._order.phase = IDLE
                 return
-            if self._phase != _CHECKED:
-                raise ScalerProtocolError(
-                    "update() was called without an unscale_and_check() since the previous update(). Each "
-                    "optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients), optimizer step if "
-                    "it returned True, update(). With gradient accumulation, call unscale_and_check() and update() "
-                    "once per optimizer step, after the last micro-batch, not once per micro-batch."
-                )
+            self._order.require_checked()
             self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
-            self._phase = _IDLE
+            self._order.phase = IDLE
             self._claims = None
 
     def had_overflow(self) -> bool:
@@ -371,9 +324,9 @@ class GradScaler:
                 or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-        with self._exclusive:
+        with self._order:
             if flag != self._enabled:
-                self._require_no_step("set_enabled() cannot switch the scaler")
+                self._order.require_no_step("set_enabled() cannot switch the scaler")
             self._enabled = flag
 
     def is_enabled(self) -> bool:
@@ -403,8 +356,8 @@ class GradScaler:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        with self._exclusive:
-            self._require_no_step("checkpoint() cannot capture a resumable state")
+        with self._order:
+            self._order.require_no_step("checkpoint() cannot capture a resumable state")
             return GradScalerCheckpoint.capture(
                 self._config,
                 self._state,
@@ -425,22 +378,14 @@ class GradScaler:
                 f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
                 f"read files with GradScalerCheckpoint.load(path)."
             )
-        with self._exclusive:
-            self._require_no_step("load_checkpoint() cannot replace the state")
+        with self._order:
+            self._order.require_no_step("load_checkpoint() cannot replace the state")
             self._config = checkpoint.config()
             self._state = checkpoint.state()
             self._enabled = checkpoint.enabled
             self._found_overflow = checkpoint.found_overflow
             self._found_overflow_local = checkpoint.found_overflow_local
             self._records = []
-
-    def _require_no_step(self, what: str) -> None:
-        if self._phase != _IDLE:
-            done = "scale_loss()" if self._phase == _SCALED else "unscale_and_check()"
-            raise ScalerProtocolError(
-                f"{what} in the middle of a step ({done} was called and update() was not yet): the step's loss "
-                f"and gradients use the current scale. Call it before scale_loss() or after update()."
-            )
 
     def __repr__(self) -> str:
         config = self._config

@@ -45,10 +45,12 @@ struct UnscaleArgs {
     u64 chunks;   // const Chunk[chunk_count]
     u64 layouts;  // const long long[]
     long long chunk_count;
-    u64 found;         // int, set to `epoch` if any element was inf/nan (may be mapped host memory)
-    u64 tensor_found;  // int per tensor, set to `epoch` if it held inf/nan
+    u64 found;         // int, set to 1 if any element was inf/nan (may be mapped host memory)
+    u64 finite;        // 0, or an unsigned char set to 0 if any element was inf/nan
+    u64 tensor_found;  // u64 per tensor, set to `epoch` if it held inf/nan
+    u64 state;         // 0, or a State: the factor and the epoch are read from it instead
+    u64 epoch;         // a number chosen per launch, so no per-tensor flag needs clearing
     float inv_scale;
-    int epoch;  // a number chosen per launch, so no flag needs clearing between launches
 };
 
 struct ScaleArgs {
@@ -56,8 +58,54 @@ struct ScaleArgs {
     long long numel;
     u64 layout;            // 0: dense; else the loss's layout (const long long[]), as above
     long long chunk_size;  // elements per block per turn
+    u64 state;             // 0, or a State: the scale is read from it instead
     float scale;
 };
+
+// A sync-free scaler's state and configuration, in device memory. Its kernels read the scale and the
+// step's epoch from here rather than from arguments, so one captured launch stays right step after step
+// (and after a checkpoint is loaded into the same memory).
+struct State {
+    u64 consecutive_good_steps;
+    u64 hysteresis_tracker;
+    u64 steps;
+    u64 skipped_steps;
+    u64 growths;
+    u64 backoffs;
+    u64 remote_skipped_steps;
+    u64 epoch;  // the open (or last) step's number: the scaler's own number << 32, plus a step count
+    double growth_factor;  // the update rule's configuration: cupy_amp.rule.ScalerConfig
+    double backoff_factor;
+    double floor;      // min_scale, or the smallest scale with a finite float32 inverse
+    double max_scale;  // inf without a ceiling
+    u64 growth_interval;
+    u64 hysteresis;
+    float scale;
+    int found;             // 1 once this rank's gradients of the step held inf/nan
+    int agreed;            // with a communicator: the MAX of `found` over the ranks (the all-reduce)
+    unsigned char finite;  // 1 until the step is known to overflow: what users gate their update on
+};
+
+struct StateArgs {
+    u64 state;  // State*
+};
+
+// float32 <-> float64 conversions and the inverse scale, in explicit PTX without .ftz: the scale may be
+// a float32 subnormal (down to 2**-128), which -ftz=true would flush to zero.
+__device__ __forceinline__ double widen(float f) {
+    double d;
+    asm("cvt.f64.f32 %0, %1;" : "=d"(d) : "f"(f));
+    return d;
+}
+
+__device__ __forceinline__ float narrow(double d) {
+    float f;
+    asm("cvt.rn.f32.f64 %0, %1;" : "=f"(f) : "d"(d));
+    return f;
+}
+
+// float32(1 / float64(scale)): what cupy_amp.rule.inverse_scale computes on the host.
+__device__ __forceinline__ float inverse_of(float scale) { return narrow(__drcp_rn(widen(scale))); }
 
 __device__ __forceinline__ float mul_f32(float a, float b) {
     float r;

@@ -6,10 +6,12 @@ namespace cupy_amp {
 
 template <class Type>
 __device__ void scale_loss(const ScaleArgs& args) {
+    const State* state = reinterpret_cast<const State*>(args.state);
+    const float factor = state != nullptr ? state->scale : args.scale;
     for (long long first = (long long)blockIdx.x * args.chunk_size; first < args.numel;
          first += (long long)gridDim.x * args.chunk_size) {
         long long last = first + args.chunk_size < args.numel ? first + args.chunk_size : args.numel;
-        apply_range<Type>(args.base, reinterpret_cast<const long long*>(args.layout), first, last, args.scale);
+        apply_range<Type>(args.base, reinterpret_cast<const long long*>(args.layout), first, last, factor);
     }
 }
 

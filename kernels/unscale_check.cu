@@ -11,13 +11,17 @@ template <class Type>
 __device__ void unscale_check(const UnscaleArgs& args) {
     const Chunk* chunks = reinterpret_cast<const Chunk*>(args.chunks);
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
+    const State* state = reinterpret_cast<const State*>(args.state);
+    const float factor = state != nullptr ? inverse_of(state->scale) : args.inv_scale;
+    const u64 epoch = state != nullptr ? state->epoch : args.epoch;
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
-        bool bad = apply_range<Type>(chunk.address, layout, chunk.first, chunk.last, args.inv_scale);
+        bool bad = apply_range<Type>(chunk.address, layout, chunk.first, chunk.last, factor);
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
-            reinterpret_cast<int*>(args.tensor_found)[chunk.tensor] = args.epoch;
-            *reinterpret_cast<volatile int*>(args.found) = args.epoch;  // may live in mapped host memory
+            reinterpret_cast<u64*>(args.tensor_found)[chunk.tensor] = epoch;
+            if (args.finite != 0) *reinterpret_cast<unsigned char*>(args.finite) = 0;
+            *reinterpret_cast<volatile int*>(args.found) = 1;  // may live in mapped host memory
             __threadfence_system();
         }
     }

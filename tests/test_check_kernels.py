@@ -172,7 +172,7 @@ def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
             "cupy_amp::Chunk::first",
         ),
         # A field's type changed to another of the same size.
-        ("    int epoch;", "    float epoch;", "cupy_amp::UnscaleArgs::epoch"),
+        ("    float inv_scale;", "    int inv_scale;", "cupy_amp::UnscaleArgs::inv_scale"),
         # A field added, changing the size, and one added into the padding, not changing it.
         ("    float scale;\n};", "    float scale;\n    long long planted;\n};", "cupy_amp::ScaleArgs"),
         ("    float scale;\n};", "    float scale;\n    int planted;\n};", "more elements"),

@@ -1,0 +1,78 @@
+// A sync-free scaler's step, on its State in device memory: each entry runs as one thread, so the
+// host never reads the state to decide anything and a captured graph replays the whole step.
+#include "common.cuh"
+
+namespace cupy_amp {
+
+__device__ __forceinline__ u32 bits_of(float f) { return __float_as_uint(f); }
+
+// The next step's epoch: the count in the low 32 bits goes up, skipping 0; the scaler's number stays.
+__device__ __forceinline__ u64 next_epoch(u64 epoch) {
+    u32 count = (u32)epoch + 1u;
+    return (epoch & 0xffffffff00000000ull) | (u64)(count == 0u ? 1u : count);
+}
+
+// cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
+// comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
+__device__ void update_state(State* s) {
+    const bool overflow = s->finite == 0;
+    const float old = s->scale;
+    float scale = old;
+    s->steps += 1;
+    if (overflow) {
+        const u64 tracker = s->hysteresis_tracker == 0 ? 0 : s->hysteresis_tracker - 1;
+        if (tracker == 0) {
+            const double backed = widen(narrow(__dmul_rn(widen(old), s->backoff_factor)));
+            scale = narrow(backed > s->floor ? backed : s->floor);
+        }
+        s->consecutive_good_steps = 0;
+        s->hysteresis_tracker = tracker;
+        s->skipped_steps += 1;
+        if (s->found == 0) s->remote_skipped_steps += 1;
+        if (bits_of(scale) != bits_of(old)) s->backoffs += 1;
+    } else {
+        u64 good = s->consecutive_good_steps + 1;
+        if (good >= s->growth_interval) {
+            const float grown = narrow(__dmul_rn(widen(old), s->growth_factor));
+            if ((bits_of(grown) & 0x7f800000u) != 0x7f800000u) {
+                scale = widen(grown) < s->max_scale ? grown : narrow(s->max_scale);
+            }
+            good = 0;
+            s->hysteresis_tracker = s->hysteresis;
+        }
+        s->consecutive_good_steps = good;
+        if (bits_of(scale) != bits_of(old)) s->growths += 1;
+    }
+    s->scale = scale;
+}
+
+}  // namespace cupy_amp
+
+#define CUPY_AMP_ONE_THREAD(NAME, ARGS) extern "C" __global__ void __launch_bounds__(1) NAME(const cupy_amp::ARGS args)
+
+// A step's first unscale call: a new epoch, and flags that say "finite" until a kernel finds otherwise.
+CUPY_AMP_ONE_THREAD(cupy_amp_begin_step, StateArgs) {
+    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    s->epoch = cupy_amp::next_epoch(s->epoch);
+    s->found = 0;
+    s->agreed = 0;
+    s->finite = 1;
+}
+
+// After the all-reduce: the step overflowed if any rank's gradients did, this rank's included whatever
+// the reduction answered (any nonzero answer counts as an overflow).
+CUPY_AMP_ONE_THREAD(cupy_amp_combine_vote, StateArgs) {
+    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    if (s->found != 0 || s->agreed != 0) s->finite = 0;
+}
+
+// A call that failed after it may have written gradients: the step counts as this rank's overflow.
+CUPY_AMP_ONE_THREAD(cupy_amp_mark_overflow, StateArgs) {
+    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    s->found = 1;
+    s->finite = 0;
+}
+
+CUPY_AMP_ONE_THREAD(cupy_amp_update_state, StateArgs) {
+    cupy_amp::update_state(reinterpret_cast<cupy_amp::State*>(args.state));
+}
