@@ -21,6 +21,7 @@ from cupy_amp.errors import (
 from cupy_amp.gradients import GradientSet
 from cupy_amp.rule import ScalerConfig
 from cupy_amp.scaler import GradScaler, GradScalerStats
+from cupy_amp.sync_free import SyncFreeGradScaler
 
 try:
     __version__ = version("cupy-amp")
@@ -46,5 +47,6 @@ __all__ = [
     "KernelSourceNotFoundError",
     "ScalerConfig",
     "ScalerProtocolError",
+    "SyncFreeGradScaler",
     "__version__",
 ]

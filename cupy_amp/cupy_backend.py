@@ -29,6 +29,7 @@ import cupy
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, device_answer
+from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_sources import read_kernel_source
 from cupy_amp.rule import ScalerConfig, ScalerState
 
@@ -51,6 +52,7 @@ __all__ = [
     "layout_checks",
     "location",
     "prepare",
+    "refuse_capture",
     "scale_loss",
     "unscale",
     "write_problem",
@@ -113,6 +115,8 @@ STATE = np.dtype(
     align=True,
 )
 STATE_ARGS = np.dtype([("state", "<u8")], align=True)
+_FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
+_FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
 _STRUCTS = {
     "cupy_amp::Chunk": CHUNK,
     "cupy_amp::UnscaleArgs": UNSCALE_ARGS,
@@ -374,8 +378,22 @@ def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[_Group, ...]:
     return tuple(groups)
 
 
+def refuse_capture(what: str) -> None:
+    """Raise if the current stream is capturing a CUDA graph: ``what`` needs work that a capture cannot record.
+
+    Raises:
+        ScalerProtocolError: The stream is capturing.
+    """
+    if cupy.cuda.get_current_stream().is_capturing():
+        raise ScalerProtocolError(
+            f"This call cannot run inside a CUDA graph capture: {what}. Before capturing, call "
+            "scaler.prepare(gradients) and pass the GradientSet it returns (or run the step once)."
+        )
+
+
 def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
     """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
+    refuse_capture("these gradients' device tables are not built yet")
     count = len(arrays)
     per_chunk = CHUNK_BYTES // arrays[0].itemsize
     bases = np.empty(count, dtype=np.int64)
@@ -612,9 +630,8 @@ class DeviceState:
         with _owners_lock:
             self._owner = (next(_owners) % 2**32) << 32
         self.address = int(self._memory.data.ptr)
-        self.finite = self._memory[STATE.fields["finite"][1] :][:1].view(np.bool_).reshape(())
-        found = STATE.fields["found"][1]
-        self._vote_flags = self._memory[found : found + 8].view(np.int32)  # found, agreed: the vote's two flags
+        self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
+        self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
         self.restore(config, state, overflow, local, epoch)
 
     def _launch(self, entry: str) -> None:
@@ -660,8 +677,7 @@ class DeviceState:
 
         Returns None: the culprits are read later, by :meth:`culprits`.
         """
-        found = self.address + STATE.fields["found"][1]
-        finite = self.address + STATE.fields["finite"][1]
+        found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
         with _on_device(self.device):
             stream = cupy.cuda.get_current_stream()
             for group in call.plan:

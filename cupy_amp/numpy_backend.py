@@ -150,10 +150,3 @@ class HostState:
 
     def update(self) -> None:
         self._state = next_state(self._config, self._state, not bool(self.finite), self._found)
-
-
-def _multiply(array: np.ndarray, factor: np.float32) -> None:
-    if array.dtype == np.float64:
-        np.multiply(array, np.float64(factor), out=array)
-    else:
-        np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
