@@ -610,7 +610,8 @@ class DeviceState:
 
     Every method queues work on the device's current stream and returns
     without waiting, except :meth:`snapshot`, :meth:`restore` and
-    :meth:`culprits`, which synchronize. Launch arguments never change from
+    :meth:`culprits`, which wait for the whole device (the steps may have been
+    queued on any stream, or replayed in a graph). Launch arguments never change from
     step to step (only this state's address), so every launch can be captured
     in a CUDA graph and replayed, and :meth:`restore` (a loaded checkpoint)
     reaches graphs captured before it.
@@ -641,7 +642,8 @@ class DeviceState:
     def snapshot(self) -> tuple[ScalerState, bool, bool, int]:
         """Wait for the device's current stream; return (state, the step's verdict, this rank's own overflow, epoch)."""
         with _on_device(self.device):
-            (record,) = self._memory.get(stream=cupy.cuda.get_current_stream()).view(STATE)  # synchronizes
+            cupy.cuda.runtime.deviceSynchronize()
+            (record,) = self._memory.get().view(STATE)
         counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
         state = ScalerState(scale=float(record["scale"]), **counters)
         return state, not record["finite"], bool(record["found"]), int(record["epoch"]) & 0xFFFFFFFF
@@ -662,9 +664,9 @@ class DeviceState:
         record["agreed"] = overflow
         record["finite"] = not overflow
         with _on_device(self.device):
-            stream = cupy.cuda.get_current_stream()
-            self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8), stream=stream)
-            stream.synchronize()  # the host record is a temporary
+            cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
+            self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
+            cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary
 
     def scale_loss(self, loss: cupy.ndarray) -> None:
         scale_loss(loss, np.float32(0), self.address)
@@ -710,8 +712,8 @@ class DeviceState:
         epoch = self._owner | epoch
         positions: list[int] = []
         with _on_device(self.device):
-            stream = cupy.cuda.get_current_stream()
+            cupy.cuda.runtime.deviceSynchronize()
             for group in call.plan:
-                seen = group.table.tensor_found.get(stream=stream)
+                seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))

@@ -47,7 +47,7 @@ def random_gradients(rng: random.Random, poison: bool) -> list[np.ndarray]:
 
 
 def stats_of(scaler: Any) -> dict[str, Any]:
-    return scaler.stats().to_dict()
+    return dict(scaler.stats().to_dict())
 
 
 @pytest.mark.parametrize("config", CONFIGS)
@@ -92,7 +92,7 @@ def test_the_verdict_is_one_array_valid_until_the_next_steps_first_call() -> Non
 
 def test_apply_if_finite_writes_only_after_a_finite_step() -> None:
     scaler = SyncFreeGradScaler(init_scale=2.0)
-    params = [np.zeros(3, np.float32), np.zeros((2, 2), np.float64)]
+    params: list[np.ndarray] = [np.zeros(3, np.float32), np.zeros((2, 2), np.float64)]
     scaler.unscale_and_check([np.ones(2, np.float32)])
     scaler.apply_if_finite(params, [np.full(3, 1.5, np.float32), np.full((2, 2), 2.5)])
     scaler.update()

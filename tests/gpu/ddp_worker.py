@@ -1,7 +1,9 @@
 """One rank of a multi-process GPU test: python ddp_worker.py SCENARIO RANK WORLD PORT OUTDIR.
 
 Started by tests/gpu/test_multi_gpu.py, one process per GPU; each writes its
-results as JSON to OUTDIR/rank<RANK>.json for the parent to compare.
+results as JSON to OUTDIR/rank<RANK>.json for the parent to compare. A
+scenario name may end in "+raw" (a bare NcclCommunicator) or "+syncfree"
+(a SyncFreeGradScaler, its verdict read back only to report it).
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 import cupy
 import numpy as np
 
-from cupy_amp import GradScaler, GradScalerCheckpoint
+from cupy_amp import GradScaler, GradScalerCheckpoint, SyncFreeGradScaler
+
+SCALER: type = GradScaler  # SyncFreeGradScaler for "+syncfree" scenarios
 
 
 def init(rank: int, world: int, port: int, out: Path, raw: bool = False) -> object:
@@ -48,14 +52,14 @@ def stats_row(scaler: GradScaler) -> dict[str, object]:
 
 def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
     """An inf on rank 0 only at scripted steps; every rank must skip and back off identically."""
-    scaler = GradScaler(init_scale=2.0**10, growth_interval=3, comm=comm)
+    scaler = SCALER(init_scale=2.0**10, growth_interval=3, comm=comm)
     inf_steps = {2, 3, 9, 15}
     results = {"finite": [], "stats": [], "culprits": []}
     for step in range(20):
         grads = {"w": cupy.ones((64, 64), cupy.float16), "b": cupy.ones(64, cupy.float32)}
         if rank == 0 and step in inf_steps:
             grads["w"][5, 7] = cupy.inf
-        finite = scaler.unscale_and_check(grads)
+        finite = bool(scaler.unscale_and_check(grads))
         results["finite"].append(finite)
         results["culprits"].append(scaler.nonfinite_gradients())
         scaler.update()
@@ -65,7 +69,7 @@ def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> 
 
 def no_gradients(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
     """Rank 1 has no gradients at all; it must still take part in every vote."""
-    scaler = GradScaler(init_scale=2.0**10, growth_interval=2, comm=comm)
+    scaler = SCALER(init_scale=2.0**10, growth_interval=2, comm=comm)
     results = {"finite": [], "stats": []}
     for step in range(10):
         if rank == 1:
@@ -74,7 +78,7 @@ def no_gradients(rank: int, world: int, comm: object, out: Path) -> dict[str, ob
             grads = [cupy.ones(1000, cupy.float32)]
             if step in (1, 6):
                 grads[0][999] = cupy.nan
-        results["finite"].append(scaler.unscale_and_check(grads))
+        results["finite"].append(bool(scaler.unscale_and_check(grads)))
         scaler.update()
         results["stats"].append(stats_row(scaler))
     return results
@@ -85,7 +89,7 @@ def data_parallel(rank: int, world: int, comm: object, out: Path, use_comm: bool
     rng = np.random.default_rng(1234)  # the same schedule of injections on every rank
     data_rng = np.random.default_rng(100 + rank)  # each rank its own data shard
     weights = cupy.asarray(np.random.default_rng(7).standard_normal((32, 8)).astype(np.float32))
-    scaler = GradScaler(init_scale=2.0**12, growth_interval=10, comm=comm if use_comm else None)
+    scaler = SCALER(init_scale=2.0**12, growth_interval=10, comm=comm if use_comm else None)
     scales = []
     for _ in range(200):
         x = cupy.asarray(data_rng.standard_normal((64, 32)).astype(np.float16))
@@ -98,7 +102,10 @@ def data_parallel(rank: int, world: int, comm: object, out: Path, use_comm: bool
         injected_rank = int(rng.integers(0, world * 4))  # about one step in four, on one rank
         if injected_rank == rank:
             grad[0, 0] = cupy.inf
-        if scaler.unscale_and_check([grad]):
+        finite = scaler.unscale_and_check([grad])
+        if SCALER is SyncFreeGradScaler:
+            scaler.apply_if_finite([weights], [weights - 0.01 * grad.astype(cupy.float32)])
+        elif finite:
             weights -= 0.01 * grad.astype(cupy.float32)
         scaler.update()
         scales.append(scaler.scale_factor())
@@ -128,7 +135,44 @@ def checkpoint_rank0_save(rank: int, world: int, comm: object, out: Path) -> dic
     return {"own": scaler.checkpoint().to_dict(), "loaded": restored.checkpoint().to_dict()}
 
 
+def captured_remote_overflow(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """scripted_remote_overflow's schedule, the step captured in a CUDA graph (all-reduce included) and replayed."""
+    global SCALER
+    SCALER = SyncFreeGradScaler
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        weights = cupy.zeros(64, cupy.float32)
+        grad = cupy.ones(64, cupy.float32)
+        scaler = SyncFreeGradScaler(init_scale=2.0**10, growth_interval=3, comm=comm)
+        prepared = scaler.prepare([grad])
+        step_size = cupy.full((), 0.5, cupy.float32)
+        update = cupy.empty_like(weights)
+
+        def step() -> None:
+            scaler.unscale_and_check(prepared)
+            cupy.subtract(weights, step_size * grad, out=update)
+            scaler.apply_if_finite([weights], [update])
+            scaler.update()
+
+        step()  # eager warm-up: every kernel loaded, every buffer allocated
+        stream.begin_capture()
+        try:
+            step()
+        finally:
+            graph = stream.end_capture()
+        results: dict[str, list[object]] = {"stats": []}
+        for replay in range(20):
+            grad.fill(2.0**10)  # the gradient of this replay, already scaled
+            if rank == 0 and replay in {2, 3, 9, 15}:
+                grad[7] = cupy.inf
+            graph.launch(stream)
+            results["stats"].append(scaler.stats().to_dict())
+        results["weights"] = cupy.asnumpy(weights).tolist()
+    return results
+
+
 SCENARIOS = {
+    "captured_remote_overflow": captured_remote_overflow,
     "scripted_remote_overflow": scripted_remote_overflow,
     "no_gradients": no_gradients,
     "data_parallel": data_parallel,
@@ -140,11 +184,14 @@ SCENARIOS = {
 def main() -> int:
     scenario, out = sys.argv[1], Path(sys.argv[5])
     rank, world, port = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-    raw = scenario.endswith("+raw")
-    name = scenario.removesuffix("+raw")
+    global SCALER
+    name, *variants = scenario.split("+")
+    raw = "raw" in variants
+    if "syncfree" in variants:
+        SCALER = SyncFreeGradScaler
     comm = init(rank, world, port, out, raw=raw)
-    if raw and name != "scripted_remote_overflow":
-        raise SystemExit("the raw-communicator variant is only wired for scripted_remote_overflow")
+    if raw and name not in ("scripted_remote_overflow", "captured_remote_overflow"):
+        raise SystemExit("the raw-communicator variant is only wired for the scripted scenarios")
     result = SCENARIOS[name](rank, world, comm, out)
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     return 0

@@ -74,7 +74,11 @@ def _agreed(stats: dict) -> tuple:
     return tuple(stats[key] for key in AGREED)
 
 
-@pytest.mark.parametrize("variant", ["", "+raw"], ids=["NCCLBackend", "NcclCommunicator"])
+@pytest.mark.parametrize(
+    "variant",
+    ["", "+raw", "+syncfree", "+raw+syncfree"],
+    ids=["NCCLBackend", "NcclCommunicator", "sync-free", "sync-free-raw"],
+)
 def test_inf_on_rank0_only_makes_every_rank_skip_and_back_off(tmp_path: Path, variant: str) -> None:
     rank0, rank1 = run_ranks("scripted_remote_overflow" + variant, tmp_path)
     assert rank0["finite"] == rank1["finite"]
@@ -95,8 +99,9 @@ def test_a_rank_without_gradients_still_votes(tmp_path: Path) -> None:
     assert [_agreed(s) for s in rank0["stats"]] == [_agreed(s) for s in rank1["stats"]]
 
 
-def test_parameters_stay_identical_over_200_steps_with_random_overflows(tmp_path: Path) -> None:
-    rank0, rank1 = run_ranks("data_parallel", tmp_path)
+@pytest.mark.parametrize("variant", ["", "+syncfree"], ids=["GradScaler", "SyncFreeGradScaler"])
+def test_parameters_stay_identical_over_200_steps_with_random_overflows(tmp_path: Path, variant: str) -> None:
+    rank0, rank1 = run_ranks("data_parallel" + variant, tmp_path)
     assert rank0["scales"] == rank1["scales"]
     assert rank0["weights"] == rank1["weights"]
     assert rank0["stats"]["skipped_steps"] >= 20  # the injections really happened
@@ -115,3 +120,14 @@ def test_rank0_saves_every_rank_loads_the_same_state(tmp_path: Path) -> None:
     assert {k: v for k, v in rank1["own"].items() if k not in ("found_overflow_local", "remote_skipped_steps")} == {
         k: v for k, v in rank0["own"].items() if k not in ("found_overflow_local", "remote_skipped_steps")
     }
+
+
+@pytest.mark.parametrize("variant", ["", "+raw"], ids=["NCCLBackend", "NcclCommunicator"])
+def test_a_captured_sync_free_step_with_its_all_reduce_agrees_on_every_rank(tmp_path: Path, variant: str) -> None:
+    rank0, rank1 = run_ranks("captured_remote_overflow" + variant, tmp_path)
+    assert [_agreed(s) for s in rank0["stats"]] == [_agreed(s) for s in rank1["stats"]]
+    skipped = [s["skipped_steps"] for s in rank0["stats"]]
+    # The warm-up step was clean; replays 2, 3, 9 and 15 overflowed on rank 0 only.
+    assert [i for i in range(1, 20) if skipped[i] > skipped[i - 1]] == [2, 3, 9, 15] and skipped[0] == 0
+    assert rank0["stats"][2]["last_overflow"] == "local" and rank1["stats"][2]["last_overflow"] == "remote"
+    assert rank0["weights"] == rank1["weights"]

@@ -1,0 +1,239 @@
+"""SyncFreeGradScaler on a real GPU: the device rule against next_state, no waiting, CUDA graph replays."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_same_bits
+
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp import (  # noqa: E402
+    GradientSet,
+    GradientTypeError,
+    GradScaler,
+    ScalerProtocolError,
+    SyncFreeGradScaler,
+)
+
+SPIN_SOURCE = r"""
+extern "C" __global__ void cupy_amp_test_spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {
+    }
+}
+"""
+
+# The rule's corners: the floor without min_scale (a float32 subnormal), growth into float32's maximum
+# (the grown scale is inf and kept out), hysteresis, non-power-of-two factors, clamps.
+RULE_CONFIGS = [
+    {"init_scale": 2.0**-100, "growth_interval": 3, "backoff_factor": 0.125, "min_scale": None, "max_scale": None},
+    {"init_scale": 2.0**120, "growth_interval": 1, "growth_factor": 3.5, "min_scale": None, "max_scale": None},
+    {"init_scale": 1000.0, "growth_interval": 2, "growth_factor": 1.1, "backoff_factor": 0.9, "hysteresis": 3},
+    {"init_scale": 2.0**16, "growth_interval": 4},
+    {"init_scale": 7.0, "growth_interval": 2, "backoff_factor": 0.3, "min_scale": 0.001, "max_scale": 50.0},
+]
+
+
+def spin(seconds_of_cycles: int) -> None:
+    cupy.RawKernel(SPIN_SOURCE, "cupy_amp_test_spin")((1,), (1,), (np.int64(seconds_of_cycles),))
+
+
+@pytest.mark.parametrize("config", RULE_CONFIGS)
+def test_the_device_rule_follows_next_state_over_10000_random_steps(config: dict[str, Any]) -> None:
+    rng = random.Random(repr(config))
+    reference, device = GradScaler(**config), SyncFreeGradScaler(**config)
+    clean, broken = cupy.ones(4, cupy.float32), cupy.ones(4, cupy.float32)
+    trajectory, expected = [], []
+    for _ in range(10_000):
+        overflow = rng.random() < 0.35
+        if overflow:
+            broken[2] = cupy.inf
+        device.unscale_and_check([broken if overflow else clean])
+        reference.unscale_and_check([np.array([np.inf if overflow else 1.0], np.float32)])
+        device.update()
+        reference.update()
+        trajectory.append(device.scale_factor())
+        expected.append(reference.stats().scale)
+        clean.fill(1.0)
+        broken.fill(1.0)
+    assert (
+        np.array(trajectory, np.float32).view(np.uint32).tolist()
+        == np.array(expected, np.float32).view(np.uint32).tolist()
+    )
+    assert device.checkpoint().to_bytes() == reference.checkpoint().to_bytes()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_loss_and_gradients_match_grad_scaler_bit_for_bit(dtype: type) -> None:
+    rng = np.random.default_rng(3)
+    reference, sync_free = (
+        GradScaler(init_scale=2.0**14, growth_interval=2),
+        SyncFreeGradScaler(init_scale=2.0**14, growth_interval=2),
+    )
+    for step in range(12):
+        host = [(rng.standard_normal(n) * 100).astype(dtype) for n in (1, 4099, 70_000)]
+        if step % 3 == 1:
+            host[1][4000] = np.nan
+        loss = cupy.asarray(np.asarray(rng.uniform(1, 3), dtype))
+        ours, theirs = loss.copy(), loss.copy()
+        sync_free.scale_loss(ours)
+        reference.scale_loss(theirs)
+        assert_same_bits(ours, theirs)
+        grads, copies = [cupy.asarray(g) for g in host], [cupy.asarray(g) for g in host]
+        verdict = sync_free.unscale_and_check(grads)
+        assert isinstance(verdict, cupy.ndarray) and verdict.shape == () and verdict.dtype == np.bool_
+        assert bool(verdict) is reference.unscale_and_check(copies)
+        for a, b in zip(grads, copies):
+            assert_same_bits(a, b)
+        assert sync_free.nonfinite_gradients() == reference.nonfinite_gradients()
+        sync_free.update()
+        reference.update()
+        assert sync_free.stats() == reference.stats()
+
+
+def test_a_steady_state_step_never_waits_for_the_gpu() -> None:
+    scaler = SyncFreeGradScaler(init_scale=2.0**10)
+    grads = [cupy.ones(1 << 20, cupy.float16) for _ in range(8)]
+    params = [cupy.zeros(1 << 20, cupy.float32) for _ in range(8)]
+    prepared = scaler.prepare(grads)
+    loss = cupy.ones((), cupy.float32)
+    for _ in range(2):  # warm: every kernel compiled and loaded
+        scaler.scale_loss(loss)
+        scaler.unscale_and_check(prepared)
+        scaler.apply_if_finite(params, grads)
+        scaler.update()
+    cupy.cuda.get_current_stream().synchronize()
+    done = cupy.cuda.Event()
+    spin(2_000_000_000)  # about a second on an H200
+    done.record()
+    start = time.perf_counter()
+    for _ in range(10):
+        scaler.scale_loss(loss)
+        scaler.unscale_and_check(prepared)
+        scaler.apply_if_finite(params, grads)
+        scaler.update()
+    elapsed = time.perf_counter() - start
+    still_spinning = not done.done
+    assert still_spinning and elapsed < 0.2, (still_spinning, elapsed)
+    cupy.cuda.get_current_stream().synchronize()
+    assert scaler.stats().steps == 12
+
+
+def capture(stream: Any, step: Any) -> Any:
+    stream.begin_capture()
+    try:
+        step()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def test_a_captured_step_replays_bit_identically_to_the_same_step_run_eagerly() -> None:
+    """fp16 gradients of fp32 master weights, every buffer preallocated (no allocation inside the step)."""
+    rng = np.random.default_rng(11)
+    batches = [rng.standard_normal((64, 32)).astype(np.float16) for _ in range(40)]
+    for poisoned in (5, 6, 17, 30):
+        batches[poisoned][3, 4] = np.inf
+
+    def run(captured: bool) -> tuple[np.ndarray, list[dict[str, Any]]]:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            master = cupy.asarray(np.random.default_rng(0).standard_normal(32).astype(np.float32))
+            weights = master.astype(cupy.float16)
+            batch = cupy.empty((64, 32), cupy.float16)
+            seed = cupy.empty((), cupy.float32)
+            grad = cupy.empty(32, cupy.float16)
+            step_update = cupy.empty(32, cupy.float32)
+            updated = cupy.empty_like(master)
+            learning_rate = cupy.full((), 0.01, cupy.float32)
+            scaler = SyncFreeGradScaler(init_scale=2.0**8, growth_interval=5)
+            prepared = scaler.prepare([grad])
+
+            def step() -> None:
+                seed.fill(1.0)
+                scaler.scale_loss(seed)  # the backward pass's seed: d(scaled loss) / d(loss)
+                cupy.sum(batch, axis=0, out=grad)
+                cupy.multiply(grad, weights, out=grad)
+                cupy.multiply(grad, seed, out=grad)  # the scaled gradient, as a backward pass gives it
+                scaler.unscale_and_check(prepared)
+                cupy.multiply(grad, learning_rate, out=step_update)
+                cupy.subtract(master, step_update, out=updated)
+                scaler.apply_if_finite([master], [updated])
+                cupy.copyto(weights, master, casting="same_kind")
+                scaler.update()
+
+            batch.set(batches[0])
+            step()  # warm-up, eager in both runs
+            graph = capture(stream, step) if captured else None
+            stats = []
+            for data in batches[1:]:
+                batch.set(data, stream=stream)
+                if graph is not None:
+                    graph.launch(stream)
+                else:
+                    step()
+                stats.append(scaler.stats().to_dict())
+            return cupy.asnumpy(master), stats
+
+    eager_master, eager_stats = run(captured=False)
+    graph_master, graph_stats = run(captured=True)
+    assert graph_stats == eager_stats
+    assert eager_stats[-1]["skipped_steps"] >= 4 and eager_stats[-1]["growths"] > 0
+    assert_same_bits(graph_master, eager_master)
+
+
+def test_a_checkpoint_loaded_after_capture_reaches_the_replays() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        grad = cupy.full(8, 64.0, cupy.float32)
+        scaler = SyncFreeGradScaler(init_scale=2.0, growth_interval=1000)
+        prepared = scaler.prepare([grad])
+        scaler.unscale_and_check(prepared)
+        scaler.update()
+        graph = capture(stream, lambda: (scaler.unscale_and_check(prepared), scaler.update()))
+        other = GradScaler(init_scale=16.0, growth_interval=1000)
+        scaler.load_checkpoint(other.checkpoint())
+        grad.fill(64.0)
+        graph.launch(stream)
+        assert cupy.asnumpy(grad).tolist() == [4.0] * 8  # divided by the loaded scale, 16
+        assert scaler.stats().steps == 1
+
+
+def test_work_a_capture_cannot_record_is_refused_with_a_clear_error() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        ready = GradientSet([cupy.ones(4, cupy.float32)])
+        unbound = SyncFreeGradScaler()
+        with pytest.raises(ScalerProtocolError, match="first placed on the GPU"):
+            capture(stream, lambda: unbound.unscale_and_check(ready))
+        bound = SyncFreeGradScaler()
+        bound.prepare(ready)
+        fresh = [cupy.ones(5, cupy.float32)]
+        with pytest.raises(ScalerProtocolError, match="device tables"):
+            capture(stream, lambda: bound.unscale_and_check(fresh))
+        assert not stream.is_capturing()
+
+
+def test_arrays_of_another_kind_are_refused_once_the_state_is_on_the_gpu() -> None:
+    scaler = SyncFreeGradScaler()
+    scaler.scale_loss(cupy.ones((), cupy.float32))
+    with pytest.raises(GradientTypeError, match="on device"):
+        scaler.unscale_and_check([np.ones(2, np.float32)])
+    scaler.unscale_and_check([cupy.ones(2, cupy.float32)])
+    scaler.update()
+
+
+def test_the_unscale_reads_a_subnormal_scale_without_flushing_it() -> None:
+    # 2**-127 is a float32 subnormal; its inverse, 2**127, must reach the kernel intact.
+    scaler = SyncFreeGradScaler(init_scale=2.0**-127, min_scale=None)
+    grad = cupy.full(4, 2.0**-127, cupy.float32)
+    loss = cupy.full((), 4.0, cupy.float32)
+    scaler.scale_loss(loss)
+    assert bool(scaler.unscale_and_check([grad]))
+    assert cupy.asnumpy(grad).tolist() == [1.0] * 4
+    assert cupy.asnumpy(loss).tolist() == 4.0 * 2.0**-127
