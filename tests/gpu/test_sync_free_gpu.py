@@ -231,7 +231,7 @@ def test_arrays_of_another_kind_are_refused_once_the_state_is_on_the_gpu() -> No
 def test_the_unscale_reads_a_subnormal_scale_without_flushing_it() -> None:
     # 2**-127 is a float32 subnormal; its inverse, 2**127, must reach the kernel intact.
     scaler = SyncFreeGradScaler(init_scale=2.0**-127, min_scale=None)
-    grad = cupy.full(4, 2.0**-127, cupy.float32)
+    grad = cupy.asarray(np.full(4, 2.0**-127, np.float32))  # a copy: a CuPy fill kernel would flush it
     loss = cupy.full((), 4.0, cupy.float32)
     scaler.scale_loss(loss)
     assert bool(scaler.unscale_and_check([grad]))
