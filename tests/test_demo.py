@@ -237,6 +237,8 @@ def test_gpu_without_a_gpu_fails_cleanly() -> None:
         (["--backoff-factor", "1.5"], "Invalid 'backoff_factor'"),
         (["--init-scale", "2**40", "--max-scale", "2**30"], "Invalid 'init_scale'"),
         (["--batch-size", "100000"], "larger than the 8192 training examples"),
+        (["--device", "cpu", "--sync-free"], "--sync-free trains on a GPU"),
+        (["--device", "cpu", "--graph", "--sync-free"], "--graph trains on a GPU"),
     ],
 )
 def test_contradictory_flags_are_usage_errors(args: list[str], message: str) -> None:
@@ -465,3 +467,15 @@ def test_the_example_script_has_help_and_a_one_line_error_without_a_gpu(tmp_path
     assert refused.stderr.startswith("--gpu: no usable GPU")
     assert len(refused.stderr.splitlines()) == 1
     assert refused.stdout == ""
+
+
+def test_the_graph_example_has_help_and_a_one_line_error_without_a_gpu() -> None:
+    script = str(REPO_ROOT / "examples" / "graph_step.py")
+    shown = subprocess.run([sys.executable, script, "--help"], capture_output=True, text=True, env=_env(), check=False)
+    assert shown.returncode == 0 and "--steps" in shown.stdout
+    if gpu_unavailable_reason() is None:
+        return  # a GPU is usable here: tests/gpu/test_demo_gpu.py runs the example on it
+    refused = subprocess.run([sys.executable, script], capture_output=True, text=True, env=_env(), check=False)
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("this example needs a GPU")
+    assert len(refused.stderr.splitlines()) == 1

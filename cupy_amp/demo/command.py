@@ -17,7 +17,7 @@ import time
 import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import numpy as np
 
@@ -51,6 +51,10 @@ from cupy_amp.demo.training import (
 )
 from cupy_amp.errors import CheckpointError, ConfigError
 from cupy_amp.scaler import GradScaler
+from cupy_amp.sync_free import SyncFreeGradScaler
+
+if TYPE_CHECKING:
+    from cupy_amp.demo.device_step import DeviceTrainer
 
 __all__ = ["SCALER_FILE", "STATE_FILE", "Reporter", "RunSummary", "run"]
 
@@ -127,6 +131,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
             raise DemoError(f"cannot resume from {args.resume}: {STATE_FILE} holds invalid settings: {exc}") from None
         raise DemoUsageError(f"scaler parameters: {exc}") from None
     device, gpu_note = select_device(args.device)
+    if (args.sync_free or args.graph) and device.kind != "gpu":
+        flag = "--graph" if args.graph else "--sync-free"
+        raise DemoUsageError(f"{flag} trains on a GPU, and none is used here ({gpu_note or '--device cpu'})")
     dataset = load_dataset(settings.data, settings.seed)
     if settings.batch_size > len(dataset.y_train):
         raise DemoUsageError(
@@ -145,31 +152,50 @@ def _plan(args: argparse.Namespace) -> _Plan:
 
 
 def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: dict[str, int]) -> None:
-    settings, scaler = plan.settings, plan.scaler
+    settings = plan.settings
     _print_header(plan, reporter)
-    trainer = Trainer("amp", settings, plan.dataset, plan.device, plan.state, scaler, measure_underflow=args.compare)
+    scaler: GradScaler | SyncFreeGradScaler = plan.scaler
+    trainer: Trainer | DeviceTrainer
+    if args.sync_free or args.graph:
+        from cupy_amp.demo.device_step import DeviceTrainer  # imports CuPy
+
+        scaler = SyncFreeGradScaler(**asdict(plan.scaler_settings))
+        scaler.load_checkpoint(plan.scaler.checkpoint())  # the resumed state, if any
+        trainer = DeviceTrainer(settings, plan.dataset, plan.state, scaler, graph=args.graph, chunk=args.log_every)
+        reporter.line(f"mode     {'CUDA graph replays' if args.graph else 'sync-free eager steps'}")
+    else:
+        trainer = Trainer(
+            "amp", settings, plan.dataset, plan.device, plan.state, plan.scaler, measure_underflow=args.compare
+        )
     progress["step"] = plan.state.step
     if plan.resumed_from is not None:
         progress["saved"] = plan.state.step
+
+    def save_at(step: int) -> None:
+        if plan.out is not None and (step % args.save_every == 0 or step == plan.steps):
+            _save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
+            progress["saved"] = step
 
     def on_step(outcome: StepOutcome) -> None:
         progress["step"] = outcome.step
         reporter.event(outcome, plan.scaler_settings.growth_interval)
         reporter.progress(outcome, plan.steps)
-        if plan.out is not None and (outcome.step % args.save_every == 0 or outcome.step == plan.steps):
-            _save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
-            progress["saved"] = outcome.step
+        if isinstance(trainer, Trainer):
+            save_at(outcome.step)
 
     started, first = time.perf_counter(), plan.state.step
-    run_steps(trainer, plan.steps, on_step)
+    if isinstance(trainer, Trainer):
+        run_steps(trainer, plan.steps, on_step)
+    else:
+        trainer.run(plan.steps, on_step, save_at, args.save_every)
     seconds = time.perf_counter() - started
     reporter.end_progress()
     eval_loss, eval_accuracy = trainer.evaluate()
     stats = scaler.stats()
     total = plan.state.step
     reporter.line(
-        f"done     {plan.steps - first} steps in {seconds:.1f} s; {stats.skipped_steps} of {total} steps skipped "
-        f"({100 * stats.skipped_steps / total:.1f}%)"
+        f"done     {plan.steps - first} steps in {seconds:.1f} s ({(plan.steps - first) / seconds:.0f} steps/s); "
+        f"{stats.skipped_steps} of {total} steps skipped ({100 * stats.skipped_steps / total:.1f}%)"
     )
     reporter.line(
         f"eval     accuracy {100 * eval_accuracy:.1f}% (chance {100 / plan.dataset.classes:.1f}%), "
@@ -266,6 +292,8 @@ class Reporter:
         parts = []
         if outcome.nonfinite:
             parts.append(f"overflow: inf/nan in {', '.join(outcome.nonfinite)} -> step skipped")
+        elif outcome.skipped:  # a sync-free run does not read which gradients overflowed
+            parts.append("overflow -> step skipped")
         if outcome.backoff is not None:
             parts.append(f"backoff: scale {show(outcome.backoff[0])} -> {show(outcome.backoff[1])}")
         if outcome.growth is not None:
@@ -480,7 +508,7 @@ def _save_run(
     folder: Path,
     settings: Settings,
     scaler_settings: ScalerSettings,
-    scaler: GradScaler,
+    scaler: GradScaler | SyncFreeGradScaler,
     state: RunState,
     device: Device,
 ) -> None:

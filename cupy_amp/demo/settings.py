@@ -202,6 +202,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {show(DEFAULTS.loss_weight)}; 1 for a plain mean loss)",
     )
     run.add_argument(
+        "--sync-free",
+        action="store_true",
+        help="GPU only: train with a SyncFreeGradScaler and a step that never waits for the GPU (records are "
+        "read back once per --log-every steps); prints steps per second",
+    )
+    run.add_argument(
+        "--graph",
+        action="store_true",
+        help="GPU only: as --sync-free, with the whole step captured once in a CUDA graph and replayed",
+    )
+    run.add_argument(
         "--compare",
         action="store_true",
         help="also train the same model in fp16 without loss scaling and in fp32, and print a summary "

@@ -65,6 +65,36 @@ def test_resume_on_the_gpu_is_bit_for_bit(tmp_path: Path) -> None:
     )
 
 
+def run_log(out: str) -> list[str]:
+    """The lines of a demo log that depend on the numbers (not on timing)."""
+    return [line for line in out.splitlines() if line.startswith(("eval", "scaler", "step "))]
+
+
+def test_graph_replays_train_exactly_as_the_sync_free_eager_steps(tmp_path: Path) -> None:
+    eager, graph = tmp_path / "eager", tmp_path / "graph"
+    status, eager_out, err = demo("--device", "gpu", "--sync-free", "--steps", "300", "--out", str(eager))
+    assert status == 0, err
+    status, graph_out, err = demo("--device", "gpu", "--graph", "--steps", "300", "--out", str(graph))
+    assert status == 0, err
+    assert "mode     CUDA graph replays" in graph_out and "steps/s" in graph_out
+    assert eval_accuracy(graph_out) > 60
+    assert "backoff: scale 2**36 -> 2**35" in graph_out
+    assert run_log(graph_out) == run_log(eager_out)
+    expected, actual = saved_arrays(eager), saved_arrays(graph)
+    for key, value in expected.items():
+        assert actual[key].tobytes() == value.tobytes(), key
+
+
+def test_a_graph_run_resumes_bit_for_bit(tmp_path: Path) -> None:
+    full, half = tmp_path / "full", tmp_path / "half"
+    assert demo("--device", "gpu", "--graph", "--steps", "120", "--out", str(full))[0] == 0
+    assert demo("--device", "gpu", "--graph", "--steps", "70", "--out", str(half))[0] == 0
+    assert demo("--device", "gpu", "--graph", "--resume", str(half), "--steps", "120")[0] == 0
+    expected, actual = saved_arrays(full), saved_arrays(half)
+    for key, value in expected.items():
+        assert actual[key].tobytes() == value.tobytes(), key
+
+
 class MirroredScaler(GradScaler):
     """A CPU scaler that replays every call on a GPU scaler with copies of the same arrays, and compares."""
 
@@ -170,3 +200,15 @@ def test_the_example_script_trains_on_the_gpu(tmp_path: Path) -> None:
     last = done.stdout.strip().splitlines()[-1]
     assert last.startswith("step 300: ")
     assert float(last.split("accuracy ")[1].split("%")[0]) > 90
+
+
+def test_the_graph_example_trains_and_reports_its_speed() -> None:
+    script = Path(__file__).resolve().parents[2] / "examples" / "graph_step.py"
+    root = str(script.parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script), "--steps", "300"], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    first, second, third = done.stdout.strip().splitlines()
+    assert first.startswith("300 steps: ") and "steps/s" in first
+    assert float(second.split("accuracy ")[1].rstrip("%")) > 60
+    assert "backoffs" in third

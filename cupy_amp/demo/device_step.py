@@ -1,0 +1,319 @@
+"""The demo's amp step with nothing read back: ``--sync-free`` runs it eagerly, ``--graph`` replays it as a CUDA graph.
+
+The same network, data and Adam as :mod:`cupy_amp.demo.training`, with a
+:class:`~cupy_amp.SyncFreeGradScaler`, written so that the host never waits:
+every buffer is allocated once (a graph replays fixed addresses), the batch is
+picked on the device from indices uploaded a chunk of steps at a time, Adam
+reads the scaler's verdict on the device and leaves everything untouched after
+an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
+device records that the host reads once per chunk. CuPy refuses cuBLAS calls
+inside a stream capture, so the matrix products here are small elementwise
+kernels of our own (fp16 inputs, fp32 accumulation, rounded to fp16, as in
+:func:`~cupy_amp.demo.model.forward`); their sums run in another order than
+cuBLAS's, so the numbers differ from the synchronous demo's in the last bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import cupy
+import numpy as np
+
+from cupy_amp.demo.model import Dataset, batch_indices, cross_entropy, forward
+from cupy_amp.demo.settings import Settings
+from cupy_amp.demo.training import RunState, StepOutcome
+from cupy_amp.sync_free import SyncFreeGradScaler
+
+__all__ = ["DeviceTrainer"]
+
+# out[i, j] = sum_k a[i, k] * b[k, j] over strided fp16 operands, accumulated in fp32.
+_MATMUL = cupy.ElementwiseKernel(
+    "raw T a, raw T b, int64 inner, int64 cols, int64 a_row, int64 a_col, int64 b_row, int64 b_col",
+    "T out",
+    """
+    const long long row = i / cols, col = i % cols;
+    float sum = 0.0f;
+    for (long long k = 0; k < inner; ++k) {
+        sum += (float)a[row * a_row + k * a_col] * (float)b[k * b_row + col * b_col];
+    }
+    out = (T)sum;
+    """,
+    "cupy_amp_demo_matmul",
+)
+# The forward layer's epilogue: z + bias, then ReLU except on the last layer.
+_BIAS_RELU = cupy.ElementwiseKernel(
+    "T z, T bias, bool relu", "T out", "T y = z + bias; out = (relu && y < (T)0) ? (T)0 : y;", "cupy_amp_demo_bias"
+)
+# The batch of the step numbered *counter: rows of the training set, picked by the uploaded indices.
+_GATHER = cupy.ElementwiseKernel(
+    "raw float32 x, raw int64 y, raw int64 indices, raw int64 counter, int64 chunk, int64 batch, int64 features",
+    "float16 x_out, raw int64 y_out",
+    """
+    const long long row = i / features, feature = i % features;
+    const long long example = indices[(counter[0] % chunk) * batch + row];
+    x_out = (float16)x[example * features + feature];
+    if (feature == 0) y_out[row] = y[example];
+    """,
+    "cupy_amp_demo_gather",
+)
+# Per row: softmax of the fp16 logits in fp32, the cross-entropy and whether the prediction was right.
+_SOFTMAX_XENT = cupy.ElementwiseKernel(
+    "raw float16 logits, int64 label, int64 classes",
+    "raw float32 probs, float32 loss, float32 correct",
+    """
+    const long long first = i * classes;
+    float top = (float)logits[first];
+    long long best = 0;
+    for (long long c = 1; c < classes; ++c) {
+        if ((float)logits[first + c] > top) {
+            top = (float)logits[first + c];
+            best = c;
+        }
+    }
+    float total = 0.0f;
+    for (long long c = 0; c < classes; ++c) {
+        float e = expf((float)logits[first + c] - top);
+        probs[i * classes + c] = e;
+        total += e;
+    }
+    for (long long c = 0; c < classes; ++c) probs[i * classes + c] /= total;
+    loss = -logf(fmaxf(probs[i * classes + label], 1e-30f));
+    correct = best == label ? 1.0f : 0.0f;
+    """,
+    "cupy_amp_demo_softmax_xent",
+)
+# d(training loss)/d(logits) in fp32, rounded to fp16: the backward pass's seed is the loss weight times
+# the scale (read on the device), divided by the batch size in float64 as model.backward does.
+_LOGIT_GRAD = cupy.ElementwiseKernel(
+    "float32 probs, raw int64 labels, raw float32 scale, int64 classes, float64 loss_weight, int64 batch",
+    "float16 out",
+    """
+    const float factor = (float)((double)scale[0] * loss_weight / (double)batch);
+    out = (float16)((probs - (labels[i / classes] == i % classes ? 1.0f : 0.0f)) * factor);
+    """,
+    "cupy_amp_demo_logit_grad",
+)
+_RELU_GRAD = cupy.ElementwiseKernel("T g, T h", "T out", "out = h > (T)0 ? g : (T)0;", "cupy_amp_demo_relu_grad")
+# Adam on one fp32 master, gated by the scaler's verdict: after an overflow nothing is written.
+_ADAM = cupy.ElementwiseKernel(
+    "float32 grad, raw bool finite, raw float64 step, float32 lr, float32 eps, float32 beta1, float32 beta2",
+    "float32 param, float32 m, float32 v",
+    """
+    if (!finite[0]) return;
+    m = beta1 * m + (1.0f - beta1) * grad;
+    v = beta2 * v + (1.0f - beta2) * (grad * grad);
+    const float correction1 = (float)(1.0 - pow((double)beta1, step[0]));
+    const float correction2 = (float)(1.0 - pow((double)beta2, step[0]));
+    param -= lr * (m / correction1) / (sqrtf(v / correction2) + eps);
+    """,
+    "cupy_amp_demo_adam",
+)
+_COUNT_STEP = cupy.ElementwiseKernel(
+    "raw bool finite", "float64 step", "if (finite[0]) step += 1.0;", "cupy_amp_demo_count_step"
+)
+# One record per step in a ring of `chunk` slots; then the step counter moves on.
+_RECORD = cupy.ElementwiseKernel(
+    "float32 loss, float32 accuracy, float32 scale, raw bool finite, int64 chunk",
+    "raw int64 counter, raw float32 losses, raw float32 accuracies, raw float32 scales, raw bool finites",
+    """
+    const long long slot = counter[0] % chunk;
+    losses[slot] = loss;
+    accuracies[slot] = accuracy;
+    scales[slot] = scale;
+    finites[slot] = finite[0];
+    counter[0] += 1;
+    """,
+    "cupy_amp_demo_record",
+)
+
+
+def _matmul(a: Any, b: Any, out: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
+    """``out = op(a) @ op(b)`` for 2-D C-contiguous fp16 arrays, op a transpose where asked."""
+    a_row, a_col = (1, a.shape[1]) if transpose_a else (a.shape[1], 1)
+    b_row, b_col = (1, b.shape[1]) if transpose_b else (b.shape[1], 1)
+    inner = a.shape[0] if transpose_a else a.shape[1]
+    _MATMUL(a, b, inner, out.shape[1], a_row, a_col, b_row, b_col, out)
+
+
+class DeviceTrainer:
+    """Runs the demo's amp steps without host synchronization; reads the records back a chunk at a time.
+
+    ``state`` (the fp32 masters and Adam's moments) is updated in place;
+    :meth:`sync_state` writes Adam's step count back into it, for saving.
+    With ``graph``, the step is captured once (after one eager step that
+    loads every kernel) and each later step is one graph launch.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        dataset: Dataset,
+        state: RunState,
+        scaler: SyncFreeGradScaler,
+        *,
+        graph: bool,
+        chunk: int = 50,
+    ) -> None:
+        self.settings, self.state, self.scaler, self.chunk = settings, state, scaler, chunk
+        self._examples = len(dataset.y_train)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        with self.stream:
+            self._allocate(settings, dataset, state)
+        self._graph_wanted = graph
+        self._graph: Any = None
+        self.underflow = None  # measured by the synchronous trainer only
+
+    def _allocate(self, settings: Settings, dataset: Dataset, state: RunState) -> None:
+        masters = state.masters
+        layers = len(masters) // 2
+        batch, features = settings.batch_size, dataset.features
+        self._layers = layers
+        self._x_train, self._y_train = cupy.asarray(dataset.x_train), cupy.asarray(dataset.y_train)
+        self._x_eval, self._y_eval = cupy.asarray(dataset.x_eval), cupy.asarray(dataset.y_eval)
+        self._indices = cupy.zeros((self.chunk, batch), cupy.int64)
+        self._counter = cupy.full((), state.step, cupy.int64)
+        self._x = cupy.empty((batch, features), cupy.float16)
+        self._y = cupy.empty(batch, cupy.int64)
+        self._weights = {name: master.astype(cupy.float16) for name, master in masters.items()}
+        widths = [masters[f"W{i}"].shape[1] for i in range(1, layers + 1)]
+        self._outputs = [cupy.empty((batch, width), cupy.float16) for width in widths]  # after bias (and ReLU)
+        self._deltas = [cupy.empty((batch, width), cupy.float16) for width in widths]  # gradients of the outputs
+        self._probs = cupy.empty((batch, widths[-1]), cupy.float32)
+        self._row_loss, self._row_correct = cupy.empty(batch, cupy.float32), cupy.empty(batch, cupy.float32)
+        self._loss, self._accuracy = cupy.empty((), cupy.float32), cupy.empty((), cupy.float32)
+        self._scale = cupy.empty((), cupy.float32)
+        self._grads16 = {name: cupy.empty(master.shape, cupy.float16) for name, master in masters.items()}
+        self._bias_sums = {name: cupy.empty(master.shape, cupy.float32) for name, master in masters.items()}
+        self._master_grads = {name: cupy.zeros_like(master) for name, master in masters.items()}
+        self._adam_step = cupy.full((), float(state.adam.t), cupy.float64)
+        self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
+        self._prepared = self.scaler.prepare(self._master_grads)
+
+    def step(self) -> None:
+        """Queue one step on the current stream (the trainer's, in ``run``): device work only, capturable.
+
+        Its batch comes from the indices :meth:`upload_batches` put on the device.
+        """
+        settings, adam, layers = self.settings, self.state.adam, self._layers
+        batch, features = self._x.shape
+        _GATHER(
+            self._x_train, self._y_train, self._indices, self._counter, self.chunk, batch, features, self._x, self._y
+        )
+        inputs = [self._x, *self._outputs[:-1]]
+        for i in range(1, layers + 1):
+            out = self._outputs[i - 1]
+            _matmul(inputs[i - 1], self._weights[f"W{i}"], out)
+            _BIAS_RELU(out, self._weights[f"b{i}"], i < layers, out)
+        classes = self._probs.shape[1]
+        _SOFTMAX_XENT(self._outputs[-1], self._y, classes, self._probs, self._row_loss, self._row_correct)
+        cupy.mean(self._row_loss, out=self._loss)
+        cupy.mean(self._row_correct, out=self._accuracy)
+        # The scale, as a loss of 1.0 scaled (a framework's backward pass would start from the scaled loss).
+        self._scale.fill(1.0)
+        self.scaler.scale_loss(self._scale)
+        _LOGIT_GRAD(self._probs, self._y, self._scale, classes, settings.loss_weight, batch, self._deltas[-1])
+        for i in range(layers, 0, -1):
+            delta = self._deltas[i - 1]
+            _matmul(inputs[i - 1], delta, self._grads16[f"W{i}"], transpose_a=True)
+            cupy.sum(delta, axis=0, dtype=cupy.float32, out=self._bias_sums[f"b{i}"])
+            cupy.copyto(self._grads16[f"b{i}"], self._bias_sums[f"b{i}"], casting="same_kind")
+            if i > 1:
+                below = self._deltas[i - 2]
+                _matmul(delta, self._weights[f"W{i}"], below, transpose_b=True)
+                _RELU_GRAD(below, self._outputs[i - 2], below)
+        for name, grad in self._grads16.items():
+            cupy.copyto(self._master_grads[name], grad)  # the scaled fp16 gradients, upcast to fp32
+        finite = self.scaler.unscale_and_check(self._prepared)
+        _COUNT_STEP(finite, self._adam_step)
+        for name, master in self.state.masters.items():
+            m, v = adam.m[name], adam.v[name]
+            _ADAM(self._master_grads[name], finite, self._adam_step, adam.lr, adam.eps, adam.beta1, adam.beta2,
+                  master, m, v)  # fmt: skip
+            cupy.copyto(self._weights[name], master, casting="same_kind")
+        self.scaler.update()
+        _RECORD(self._loss, self._accuracy, self._scale, finite, self.chunk, self._counter, *self._records)
+
+    def run(
+        self, total: int, on_step: Callable[[StepOutcome], None], on_chunk: Callable[[int], None], boundary: int
+    ) -> None:
+        """Train until step ``total``, a chunk of steps at a time.
+
+        After each chunk its records are read back (the one wait), ``on_step``
+        is called for each of its steps, then ``on_chunk`` with the step reached.
+        Chunks also end at every multiple of ``boundary`` (where a run is saved).
+        """
+        with self.stream:
+            while self.state.step < total:
+                first = self.state.step
+                count = min(self.chunk, total - first, boundary - first % boundary)
+                self.upload_batches(first, count)
+                for _ in range(count):
+                    self.launch()
+                for outcome in self.read_back(first, count):
+                    self.state.step = outcome.step
+                    self.state.history.append(outcome)
+                    on_step(outcome)
+                self.sync_state()
+                on_chunk(self.state.step)
+
+    def upload_batches(self, first: int, count: int) -> None:
+        """Put the batch indices of steps ``first`` to ``first + count - 1`` on the device (at most one chunk)."""
+        indices = [batch_indices(self.settings.seed, step, self.settings.batch_size, self._examples)
+                   for step in range(first, first + count)]  # fmt: skip
+        slots = [step % self.chunk for step in range(first, first + count)]
+        self._indices[slots] = cupy.asarray(np.stack(indices))
+
+    def launch(self) -> None:
+        """Run one step: eagerly, or as a replay of the graph captured after the first eager step."""
+        if self._graph is not None:
+            self._graph.launch(self.stream)
+            return
+        self.step()
+        if self._graph_wanted:  # every kernel is loaded now: capture the step (capturing runs nothing)
+            self.stream.begin_capture()
+            try:
+                self.step()
+            finally:
+                self._graph = self.stream.end_capture()
+
+    def read_back(self, first: int, count: int) -> list[StepOutcome]:
+        """Wait for the chunk's steps and turn their records into outcomes (events come from the scales)."""
+        losses, accuracies, scales, finites = (cupy.asnumpy(record, stream=self.stream) for record in self._records)
+        stats = self.scaler.stats()
+        skipped_before = stats.skipped_steps - sum(
+            not finites[step % self.chunk] for step in range(first, first + count)
+        )
+        outcomes = []
+        for offset, step in enumerate(range(first, first + count)):
+            slot = step % self.chunk
+            scale = float(scales[slot])
+            after = float(scales[(step + 1) % self.chunk]) if offset + 1 < count else stats.scale
+            skipped = not bool(finites[slot])
+            skipped_before += skipped
+            outcomes.append(
+                StepOutcome(
+                    step=step + 1,
+                    loss=float(losses[slot]),
+                    accuracy=float(accuracies[slot]),
+                    scale=scale,
+                    skipped=skipped,
+                    backoff=(scale, after) if after < scale else None,
+                    growth=(scale, after) if after > scale else None,
+                    skipped_total=skipped_before,
+                )
+            )
+        return outcomes
+
+    def sync_state(self) -> None:
+        """Write Adam's step count, kept on the device, back into ``state`` (synchronizes)."""
+        self.state.adam.t = int(cupy.asnumpy(self._adam_step, stream=self.stream))
+
+    def evaluate(self) -> tuple[float, float]:
+        """Return the held-out (loss, accuracy) of the current fp16 weights (synchronizes)."""
+        with self.stream:
+            fwd = forward(cupy, self._weights, self._x_eval)
+            loss = float(cross_entropy(cupy, fwd.probs, self._y_eval))
+            accuracy = float((fwd.probs.argmax(axis=1) == self._y_eval).mean())
+        return loss, accuracy
