@@ -103,7 +103,9 @@ class HostState:
     device = -1
 
     def __init__(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
-        self.finite = np.ones((), dtype=np.bool_)
+        self._finite = np.ones((), dtype=np.bool_)
+        self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
+        self.finite.flags.writeable = False
         self._answer: object = None
         self.restore(config, state, overflow, local, epoch)
 
@@ -113,7 +115,7 @@ class HostState:
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
         self._config, self._state, self._found, self._epoch = config, state, local, epoch
-        self.finite[()] = not overflow
+        self._finite[()] = not overflow
 
     def scale_loss(self, loss: np.ndarray) -> None:
         scale_loss(loss, np.float32(self._state.scale))
@@ -121,7 +123,7 @@ class HostState:
     def begin_step(self) -> None:
         self._epoch = self._epoch % (2**32 - 1) + 1
         self._found = False
-        self.finite[()] = True
+        self._finite[()] = True
 
     def unscale(self, call: Any) -> tuple[int, ...]:
         """Unscale a parsed call's arrays; return the positions of those that held inf/nan."""
@@ -142,11 +144,11 @@ class HostState:
         """
         answer, self._answer = self._answer, None
         if host_verdict(answer, self._found):
-            self.finite[()] = False
+            self._finite[()] = False
 
     def mark_overflow(self) -> None:
         self._found = True
-        self.finite[()] = False
+        self._finite[()] = False
 
     def update(self) -> None:
         self._state = next_state(self._config, self._state, not bool(self.finite), self._found)

@@ -12,7 +12,7 @@ import numpy as np
 from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, vote_after_failure
-from cupy_amp.errors import ArgumentTypeError, ConfigError, GradientTypeError, GradientValueError
+from cupy_amp.errors import ArgumentTypeError, ConfigError, GradientTypeError, GradientValueError, ScalerProtocolError
 from cupy_amp.gradients import Call, CallCache, GradientSet, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_scale
 from cupy_amp.scaler import GradScalerStats
@@ -108,6 +108,12 @@ class SyncFreeGradScaler:
         """Return the state for arrays of ``backend`` on ``device``, moving it there if it has met no array yet."""
         if self._bound is None:
             if backend is not numpy_backend:
+                if self._order.phase == CHECKED:
+                    raise ScalerProtocolError(
+                        "This step's first unscale_and_check() had no arrays, so its verdict lives on the host; the "
+                        "state cannot move to the GPU in the middle of the step. Pass the GPU arrays (or call "
+                        "prepare(gradients)) before the step's first unscale_and_check()."
+                    )
                 backend.refuse_capture("the scaler's state is first placed on the GPU")
                 self._state = backend.DeviceState(device, self._config, *self._state.snapshot())
             self._bound = backend

@@ -23,10 +23,10 @@ try:
 except Exception as exc:
     sys.exit(f"this example needs a GPU ({type(exc).__name__}: {str(exc).splitlines()[0]})")
 
-from cupy_amp import SyncFreeGradScaler
-from cupy_amp.demo.model import load_dataset
-from cupy_amp.demo.settings import Settings
-from cupy_amp.demo.training import Device, new_state
+from cupy_amp import SyncFreeGradScaler  # noqa: E402  (after the GPU check, for a one-line error)
+from cupy_amp.demo.model import load_dataset  # noqa: E402
+from cupy_amp.demo.settings import Settings  # noqa: E402
+from cupy_amp.demo.training import Device, new_state  # noqa: E402
 
 settings = Settings()
 dataset = load_dataset(settings.data, settings.seed)
@@ -38,7 +38,7 @@ scaler = SyncFreeGradScaler(init_scale=2.0**36, growth_interval=50, min_scale=1.
 trainer = DeviceTrainer(settings, dataset, state, scaler, graph=False, chunk=steps)
 stream = trainer.stream
 with stream:
-    trainer.upload_batches(0, steps)
+    trainer.upload_batches(0, trainer.batches(0, steps))
     trainer.step()  # step 1, eager: loads every kernel (a capture cannot)
     stream.begin_capture()
     try:
@@ -56,6 +56,7 @@ with stream:
 trainer.sync_state()
 loss, accuracy = trainer.evaluate()
 stats = scaler.stats()
-print(f"{steps} steps: {steps / seconds:.0f} steps/s; the host queued each replay in {1e6 * queued / (steps - 1):.1f} us")
+per_replay = 1e6 * queued / (steps - 1)
+print(f"{steps} steps: {steps / seconds:.0f} steps/s; the host queued each replay in {per_replay:.1f} us")
 print(f"loss {outcomes[0].loss:.3f} -> {outcomes[-1].loss:.3f}; held-out accuracy {100 * accuracy:.1f}%")
 print(f"scale {stats.scale:g}; {stats.skipped_steps} of {stats.steps} steps skipped, {stats.backoffs} backoffs")

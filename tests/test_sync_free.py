@@ -228,3 +228,11 @@ def test_a_lying_answer_cannot_hide_this_ranks_own_overflow() -> None:
     assert not scaler.unscale_and_check([np.array([np.inf], np.float32)])
     scaler.update()
     assert scaler.stats().last_overflow == "local"
+
+
+def test_the_verdict_handed_out_cannot_be_overwritten() -> None:
+    scaler = SyncFreeGradScaler()
+    verdict = scaler.unscale_and_check([np.array([np.inf], np.float32)])
+    with pytest.raises(ValueError, match="read-only"):
+        verdict[()] = True
+    assert scaler.had_overflow()

@@ -28,20 +28,35 @@ from cupy_amp.sync_free import SyncFreeGradScaler
 
 __all__ = ["DeviceTrainer"]
 
-# out[i, j] = sum_k a[i, k] * b[k, j] over strided fp16 operands, accumulated in fp32.
-_MATMUL = cupy.ElementwiseKernel(
-    "raw T a, raw T b, int64 inner, int64 cols, int64 a_row, int64 a_col, int64 b_row, int64 b_col",
-    "T out",
+# A matrix product of strided fp16 operands in fp32, in slices of the inner dimension (a long serial sum
+# would leave the GPU waiting on one load after another): parts[s, i, j] = sum over slice s of a[i, k] b[k, j].
+_PRODUCT_PARTS = cupy.ElementwiseKernel(
+    "raw T a, raw T b, int64 inner, int64 slice, int64 rows, int64 cols, int64 a_row, int64 a_col, int64 b_row, "
+    "int64 b_col",
+    "float32 part",
     """
-    const long long row = i / cols, col = i % cols;
+    const long long s = i / (rows * cols), row = (i / cols) % rows, col = i % cols;
+    const long long last = min(inner, (s + 1) * slice);
     float sum = 0.0f;
-    for (long long k = 0; k < inner; ++k) {
+    for (long long k = s * slice; k < last; ++k) {
         sum += (float)a[row * a_row + k * a_col] * (float)b[k * b_row + col * b_col];
     }
+    part = sum;
+    """,
+    "cupy_amp_demo_product_parts",
+)
+# out[i, j] = the slices' sums added in a fixed order (the same bits on every run), rounded to out's dtype.
+_ADD_PARTS = cupy.ElementwiseKernel(
+    "raw float32 parts, int64 count, int64 size",
+    "T out",
+    """
+    float sum = 0.0f;
+    for (long long s = 0; s < count; ++s) sum += parts[s * size + i];
     out = (T)sum;
     """,
-    "cupy_amp_demo_matmul",
+    "cupy_amp_demo_add_parts",
 )
+_SLICE = 32  # inner elements per thread
 # The forward layer's epilogue: z + bias, then ReLU except on the last layer.
 _BIAS_RELU = cupy.ElementwiseKernel(
     "T z, T bias, bool relu", "T out", "T y = z + bias; out = (relu && y < (T)0) ? (T)0 : y;", "cupy_amp_demo_bias"
@@ -96,22 +111,29 @@ _LOGIT_GRAD = cupy.ElementwiseKernel(
     "cupy_amp_demo_logit_grad",
 )
 _RELU_GRAD = cupy.ElementwiseKernel("T g, T h", "T out", "out = h > (T)0 ? g : (T)0;", "cupy_amp_demo_relu_grad")
+# Adam's step count and bias corrections (1 - beta**t, in float64 as model.Adam computes them), counted
+# only when the scaler's verdict says the step is taken.
+_COUNT_STEP = cupy.ElementwiseKernel(
+    "raw bool finite, float64 beta1, float64 beta2",
+    "int64 step, raw float32 corrections",
+    """
+    if (finite[0]) step += 1;
+    corrections[0] = (float)(1.0 - pow(beta1, (double)step));
+    corrections[1] = (float)(1.0 - pow(beta2, (double)step));
+    """,
+    "cupy_amp_demo_count_step",
+)
 # Adam on one fp32 master, gated by the scaler's verdict: after an overflow nothing is written.
 _ADAM = cupy.ElementwiseKernel(
-    "float32 grad, raw bool finite, raw float64 step, float32 lr, float32 eps, float32 beta1, float32 beta2",
+    "float32 grad, raw bool finite, raw float32 corrections, float32 lr, float32 eps, float32 beta1, float32 beta2",
     "float32 param, float32 m, float32 v",
     """
     if (!finite[0]) return;
     m = beta1 * m + (1.0f - beta1) * grad;
     v = beta2 * v + (1.0f - beta2) * (grad * grad);
-    const float correction1 = (float)(1.0 - pow((double)beta1, step[0]));
-    const float correction2 = (float)(1.0 - pow((double)beta2, step[0]));
-    param -= lr * (m / correction1) / (sqrtf(v / correction2) + eps);
+    param -= lr * (m / corrections[0]) / (sqrtf(v / corrections[1]) + eps);
     """,
     "cupy_amp_demo_adam",
-)
-_COUNT_STEP = cupy.ElementwiseKernel(
-    "raw bool finite", "float64 step", "if (finite[0]) step += 1.0;", "cupy_amp_demo_count_step"
 )
 # One record per step in a ring of `chunk` slots; then the step counter moves on.
 _RECORD = cupy.ElementwiseKernel(
@@ -129,12 +151,21 @@ _RECORD = cupy.ElementwiseKernel(
 )
 
 
-def _matmul(a: Any, b: Any, out: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
-    """``out = op(a) @ op(b)`` for 2-D C-contiguous fp16 arrays, op a transpose where asked."""
-    a_row, a_col = (1, a.shape[1]) if transpose_a else (a.shape[1], 1)
-    b_row, b_col = (1, b.shape[1]) if transpose_b else (b.shape[1], 1)
-    inner = a.shape[0] if transpose_a else a.shape[1]
-    _MATMUL(a, b, inner, out.shape[1], a_row, a_col, b_row, b_col, out)
+class _Product:
+    """``out = op(a) @ op(b)`` for fixed 2-D C-contiguous fp16 arrays (op: a transpose where asked), as two launches."""
+
+    def __init__(self, a: Any, b: Any, out: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
+        self.a, self.b, self.out = a, b, out
+        a_row, a_col = (1, a.shape[1]) if transpose_a else (a.shape[1], 1)
+        b_row, b_col = (1, b.shape[1]) if transpose_b else (b.shape[1], 1)
+        inner = a.shape[0] if transpose_a else a.shape[1]
+        parts = -(-inner // _SLICE)
+        self._parts = cupy.empty((parts, *out.shape), cupy.float32)
+        self._arguments = (inner, _SLICE, out.shape[0], out.shape[1], a_row, a_col, b_row, b_col)
+
+    def __call__(self) -> None:
+        _PRODUCT_PARTS(self.a, self.b, *self._arguments, self._parts)
+        _ADD_PARTS(self._parts, self._parts.shape[0], self.out.size, self.out)
 
 
 class DeviceTrainer:
@@ -187,9 +218,22 @@ class DeviceTrainer:
         self._grads16 = {name: cupy.empty(master.shape, cupy.float16) for name, master in masters.items()}
         self._bias_sums = {name: cupy.empty(master.shape, cupy.float32) for name, master in masters.items()}
         self._master_grads = {name: cupy.zeros_like(master) for name, master in masters.items()}
-        self._adam_step = cupy.full((), float(state.adam.t), cupy.float64)
+        self._adam_step = cupy.full((), state.adam.t, cupy.int64)
+        self._corrections = cupy.empty(2, cupy.float32)
         self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
         self._prepared = self.scaler.prepare(self._master_grads)
+        inputs = [self._x, *self._outputs[:-1]]
+        self._forward = [
+            _Product(inputs[i - 1], self._weights[f"W{i}"], self._outputs[i - 1]) for i in range(1, layers + 1)
+        ]
+        self._weight_grads = [
+            _Product(inputs[i - 1], self._deltas[i - 1], self._grads16[f"W{i}"], transpose_a=True)
+            for i in range(1, layers + 1)
+        ]
+        self._input_grads = [
+            _Product(self._deltas[i - 1], self._weights[f"W{i}"], self._deltas[i - 2], transpose_b=True)
+            for i in range(2, layers + 1)
+        ]
 
     def step(self) -> None:
         """Queue one step on the current stream (the trainer's, in ``run``): device work only, capturable.
@@ -201,11 +245,9 @@ class DeviceTrainer:
         _GATHER(
             self._x_train, self._y_train, self._indices, self._counter, self.chunk, batch, features, self._x, self._y
         )
-        inputs = [self._x, *self._outputs[:-1]]
         for i in range(1, layers + 1):
-            out = self._outputs[i - 1]
-            _matmul(inputs[i - 1], self._weights[f"W{i}"], out)
-            _BIAS_RELU(out, self._weights[f"b{i}"], i < layers, out)
+            self._forward[i - 1]()
+            _BIAS_RELU(self._outputs[i - 1], self._weights[f"b{i}"], i < layers, self._outputs[i - 1])
         classes = self._probs.shape[1]
         _SOFTMAX_XENT(self._outputs[-1], self._y, classes, self._probs, self._row_loss, self._row_correct)
         cupy.mean(self._row_loss, out=self._loss)
@@ -216,20 +258,20 @@ class DeviceTrainer:
         _LOGIT_GRAD(self._probs, self._y, self._scale, classes, settings.loss_weight, batch, self._deltas[-1])
         for i in range(layers, 0, -1):
             delta = self._deltas[i - 1]
-            _matmul(inputs[i - 1], delta, self._grads16[f"W{i}"], transpose_a=True)
+            self._weight_grads[i - 1]()
             cupy.sum(delta, axis=0, dtype=cupy.float32, out=self._bias_sums[f"b{i}"])
             cupy.copyto(self._grads16[f"b{i}"], self._bias_sums[f"b{i}"], casting="same_kind")
             if i > 1:
                 below = self._deltas[i - 2]
-                _matmul(delta, self._weights[f"W{i}"], below, transpose_b=True)
+                self._input_grads[i - 2]()
                 _RELU_GRAD(below, self._outputs[i - 2], below)
         for name, grad in self._grads16.items():
             cupy.copyto(self._master_grads[name], grad)  # the scaled fp16 gradients, upcast to fp32
         finite = self.scaler.unscale_and_check(self._prepared)
-        _COUNT_STEP(finite, self._adam_step)
+        _COUNT_STEP(finite, adam.beta1, adam.beta2, self._adam_step, self._corrections)
         for name, master in self.state.masters.items():
             m, v = adam.m[name], adam.v[name]
-            _ADAM(self._master_grads[name], finite, self._adam_step, adam.lr, adam.eps, adam.beta1, adam.beta2,
+            _ADAM(self._master_grads[name], finite, self._corrections, adam.lr, adam.eps, adam.beta1, adam.beta2,
                   master, m, v)  # fmt: skip
             cupy.copyto(self._weights[name], master, casting="same_kind")
         self.scaler.update()
@@ -244,13 +286,20 @@ class DeviceTrainer:
         is called for each of its steps, then ``on_chunk`` with the step reached.
         Chunks also end at every multiple of ``boundary`` (where a run is saved).
         """
+
+        def next_chunk(first: int) -> np.ndarray:
+            count = min(self.chunk, total - first, boundary - first % boundary)
+            return self.batches(first, count)
+
         with self.stream:
+            upcoming = next_chunk(self.state.step)
             while self.state.step < total:
-                first = self.state.step
-                count = min(self.chunk, total - first, boundary - first % boundary)
-                self.upload_batches(first, count)
+                first, count = self.state.step, len(upcoming)
+                self.upload_batches(first, upcoming)  # the previous chunk was read back: its slots are free
                 for _ in range(count):
                     self.launch()
+                if first + count < total:  # drawn on the host while the GPU runs this chunk
+                    upcoming = next_chunk(first + count)
                 for outcome in self.read_back(first, count):
                     self.state.step = outcome.step
                     self.state.history.append(outcome)
@@ -258,12 +307,17 @@ class DeviceTrainer:
                 self.sync_state()
                 on_chunk(self.state.step)
 
-    def upload_batches(self, first: int, count: int) -> None:
-        """Put the batch indices of steps ``first`` to ``first + count - 1`` on the device (at most one chunk)."""
-        indices = [batch_indices(self.settings.seed, step, self.settings.batch_size, self._examples)
-                   for step in range(first, first + count)]  # fmt: skip
-        slots = [step % self.chunk for step in range(first, first + count)]
-        self._indices[slots] = cupy.asarray(np.stack(indices))
+    def batches(self, first: int, count: int) -> np.ndarray:
+        """Return the batch indices of steps ``first`` to ``first + count - 1``, drawn on the host."""
+        size, examples = self.settings.batch_size, self._examples
+        return np.stack(
+            [batch_indices(self.settings.seed, step, size, examples) for step in range(first, first + count)]
+        )
+
+    def upload_batches(self, first: int, indices: np.ndarray) -> None:
+        """Put the :meth:`batches` of the steps from ``first`` on the device (at most one chunk of them)."""
+        slots = [step % self.chunk for step in range(first, first + len(indices))]
+        self._indices[slots] = cupy.asarray(indices)
 
     def launch(self) -> None:
         """Run one step: eagerly, or as a replay of the graph captured after the first eager step."""

@@ -237,3 +237,16 @@ def test_the_unscale_reads_a_subnormal_scale_without_flushing_it() -> None:
     assert bool(scaler.unscale_and_check([grad]))
     assert cupy.asnumpy(grad).tolist() == [1.0] * 4
     assert cupy.asnumpy(loss).tolist() == 4.0 * 2.0**-127
+
+
+def test_the_state_does_not_move_to_the_gpu_in_the_middle_of_a_step() -> None:
+    scaler = SyncFreeGradScaler(init_scale=4.0)
+    host_verdict = scaler.unscale_and_check([])  # a step begun with no arrays: its verdict is on the host
+    with pytest.raises(ScalerProtocolError, match="in the middle of the step"):
+        scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])
+    scaler.update()  # the refused call wrote nothing: as for GradScaler, the step stands
+    assert bool(host_verdict) and scaler.stats().skipped_steps == 0
+    verdict = scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])  # the next step moves it
+    assert isinstance(verdict, cupy.ndarray) and not bool(verdict)
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1 and scaler.stats().scale == 2.0
