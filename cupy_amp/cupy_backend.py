@@ -310,6 +310,7 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
     with _on_device(loss.data.device_id):
         base, layout = dense_base(loss), None
         if base is None:
+            refuse_capture("a loss with gaps between its elements needs its layout copied to the device")
             base = loss.data.ptr
             layout = cupy.asarray(np.array(_layout(loss), dtype=np.int64))  # freed in stream order
         chunk = CHUNK_BYTES // loss.itemsize

@@ -216,6 +216,9 @@ def test_work_a_capture_cannot_record_is_refused_with_a_clear_error() -> None:
         fresh = [cupy.ones(5, cupy.float32)]
         with pytest.raises(ScalerProtocolError, match="device tables"):
             capture(stream, lambda: bound.unscale_and_check(fresh))
+        strided_loss = cupy.ones(8, cupy.float32)[::2]
+        with pytest.raises(ScalerProtocolError, match="layout"):
+            capture(stream, lambda: bound.scale_loss(strided_loss))
         assert not stream.is_capturing()
 
 
