@@ -107,6 +107,7 @@ STATE = np.dtype(
         ("max_scale", "<f8"),
         ("growth_interval", "<u8"),
         ("hysteresis", "<u8"),
+        ("bad_votes", "<u8"),
         ("scale", "<f4"),
         ("found", "<i4"),
         ("agreed", "<i4"),
@@ -570,10 +571,10 @@ class Unscaled:
                             culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
             if self._voting:
                 agreed = device_answer(local_flag, agreed_flag)
+        launched, self.launched = self.launched, {}  # first: an interrupt now must not also park them
         with _flags_lock:
-            for device, (_, flags) in self.launched.items():
+            for device, (_, flags) in launched.items():
                 _spare_flags.setdefault(device, []).append(flags)
-        self.launched = {}
         return local, agreed, tuple(sorted(culprits))
 
     def abandon(self) -> None:
@@ -612,10 +613,12 @@ class DeviceState:
     Every method queues work on the device's current stream and returns
     without waiting, except :meth:`snapshot`, :meth:`restore` and
     :meth:`culprits`, which wait for the whole device (the steps may have been
-    queued on any stream, or replayed in a graph). Launch arguments never change from
-    step to step (only this state's address), so every launch can be captured
-    in a CUDA graph and replayed, and :meth:`restore` (a loaded checkpoint)
-    reaches graphs captured before it.
+    queued on any stream, or replayed in a graph). Work queued on another
+    stream than the state's previous work first waits for it (an event), so
+    the scale a loss is multiplied by is always the one the last update left.
+    Launch arguments never change from step to step (only this state's
+    address), so every launch can be captured in a CUDA graph and replayed,
+    and :meth:`restore` (a loaded checkpoint) reaches graphs captured before it.
     """
 
     def __init__(
@@ -634,20 +637,49 @@ class DeviceState:
         self.address = int(self._memory.data.ptr)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
+        self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
         self.restore(config, state, overflow, local, epoch)
+
+    def follow(self) -> Any:
+        """Return the device's current stream, made to wait for the state's last work if that went elsewhere.
+
+        Raises:
+            ScalerProtocolError: The current stream is capturing a CUDA graph and the last work
+                went to another stream (a capture cannot wait for work outside it).
+        """
+        with _on_device(self.device):
+            stream = cupy.cuda.get_current_stream()
+            last = self._last_stream
+            if last is not None and last.ptr != stream.ptr:
+                if stream.is_capturing():
+                    raise ScalerProtocolError(
+                        "The scaler's last work was queued on another stream than the one being captured: run "
+                        "the eager steps on the capturing stream, or synchronize before capturing."
+                    )
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(last)
+                stream.wait_event(event)
+            self._last_stream = stream
+        return stream
 
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):
-            _step_launcher(entry)(1, cupy.cuda.get_current_stream().ptr, state=self.address)
+            _step_launcher(entry)(1, self.follow().ptr, state=self.address)
 
-    def snapshot(self) -> tuple[ScalerState, bool, bool, int]:
-        """Wait for the device's current stream; return (state, the step's verdict, this rank's own overflow, epoch)."""
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
+        """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad votes).
+
+        The verdict is read from the flags the rule uses, not from ``finite``, which callers can write.
+        """
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             (record,) = self._memory.get().view(STATE)
+        self._last_stream = None
         counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
         state = ScalerState(scale=float(record["scale"]), **counters)
-        return state, not record["finite"], bool(record["found"]), int(record["epoch"]) & 0xFFFFFFFF
+        overflow = bool(record["found"] != 0 or record["agreed"] != 0)
+        epoch = int(record["epoch"]) & 0xFFFFFFFF
+        return state, overflow, bool(record["found"]), epoch, int(record["bad_votes"])
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
         """Replace the State in place (synchronizes); epochs keep this state's own number in their high bits."""
@@ -668,8 +700,10 @@ class DeviceState:
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary
+        self._last_stream = None
 
     def scale_loss(self, loss: cupy.ndarray) -> None:
+        self.follow()
         scale_loss(loss, np.float32(0), self.address)
 
     def begin_step(self) -> None:
@@ -682,7 +716,7 @@ class DeviceState:
         """
         found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
         with _on_device(self.device):
-            stream = cupy.cuda.get_current_stream()
+            stream = self.follow()
             for group in call.plan:
                 if group.table.launch is not None:
                     grid = min(group.table.chunk_count, _MAX_GRID)
@@ -696,7 +730,7 @@ class DeviceState:
         If ``reduce_max`` raises, it queued nothing (NCCL's contract): this rank took no part.
         """
         with _on_device(self.device):
-            vote.reduce_max(self._vote_flags, cupy.cuda.get_current_stream())
+            vote.reduce_max(self._vote_flags, self.follow())
 
     def combine(self) -> None:
         """Queue the step's verdict from the all-reduced flag: any rank's overflow, this rank's always."""
@@ -714,6 +748,7 @@ class DeviceState:
         positions: list[int] = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
+            self._last_stream = None
             for group in call.plan:
                 seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]

@@ -109,9 +109,12 @@ class HostState:
         self._answer: object = None
         self.restore(config, state, overflow, local, epoch)
 
-    def snapshot(self) -> tuple[ScalerState, bool, bool, int]:
-        """Return (state, the step's verdict, this rank's own overflow, epoch)."""
-        return self._state, not bool(self.finite), self._found, self._epoch
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
+        """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes: always 0).
+
+        Garbage votes raise at once here: the host reads every answer.
+        """
+        return self._state, not bool(self._finite), self._found, self._epoch, 0
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
         self._config, self._state, self._found, self._epoch = config, state, local, epoch
@@ -122,8 +125,8 @@ class HostState:
 
     def begin_step(self) -> None:
         self._epoch = self._epoch % (2**32 - 1) + 1
+        self._finite[()] = True  # before _found: a reader never sees an overflow without its origin
         self._found = False
-        self._finite[()] = True
 
     def unscale(self, call: Any) -> tuple[int, ...]:
         """Unscale a parsed call's arrays; return the positions of those that held inf/nan."""
@@ -151,4 +154,7 @@ class HostState:
         self._finite[()] = False
 
     def update(self) -> None:
-        self._state = next_state(self._config, self._state, not bool(self.finite), self._found)
+        self._state = next_state(self._config, self._state, not bool(self._finite), self._found)
+
+    def follow(self) -> None:
+        """Nothing to order on the host."""

@@ -56,12 +56,16 @@ class StepOrder:
 
     def scale_loss(self) -> None:
         """Enter the phase of a scaled loss, refusing it after unscale_and_check (update() was forgotten)."""
+        self.check_scale_loss()
+        self.phase = SCALED
+
+    def check_scale_loss(self) -> None:
+        """Refuse scale_loss() after unscale_and_check() without update() (changes nothing)."""
         if self.phase == CHECKED:
             raise ScalerProtocolError(
                 "scale_loss() was called after unscale_and_check() without an update() in between: update() "
                 f"was forgotten. {_STEP} Without update() the scale never adapts."
             )
-        self.phase = SCALED
 
     def require_checked(self) -> None:
         """Refuse update() when no unscale_and_check() came since the last update()."""

@@ -12,7 +12,14 @@ import numpy as np
 from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, vote_after_failure
-from cupy_amp.errors import ArgumentTypeError, ConfigError, GradientTypeError, GradientValueError, ScalerProtocolError
+from cupy_amp.errors import (
+    ArgumentTypeError,
+    CommunicatorError,
+    ConfigError,
+    GradientTypeError,
+    GradientValueError,
+    ScalerProtocolError,
+)
 from cupy_amp.gradients import Call, CallCache, GradientSet, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_scale
 from cupy_amp.scaler import GradScalerStats
@@ -81,6 +88,7 @@ class SyncFreeGradScaler:
         self._claims: StepClaims | None = None
         self._records: list[_Record] = []
         self._cache = CallCache()
+        self._bad_votes_reported = 0
 
     @property
     def config(self) -> ScalerConfig:
@@ -115,7 +123,7 @@ class SyncFreeGradScaler:
                         "prepare(gradients)) before the step's first unscale_and_check()."
                     )
                 backend.refuse_capture("the scaler's state is first placed on the GPU")
-                self._state = backend.DeviceState(device, self._config, *self._state.snapshot())
+                self._state = backend.DeviceState(device, self._config, *self._state.snapshot()[:4])
             self._bound = backend
         elif backend is not self._bound:
             raise GradientTypeError(
@@ -129,9 +137,24 @@ class SyncFreeGradScaler:
             )
         return self._state
 
+    def _snapshot(self) -> tuple[ScalerState, bool, bool, int]:
+        """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.
+
+        Raises:
+            CommunicatorError: Some vote's answer was no maximum of the ranks' flags (those steps were skipped).
+        """
+        state, overflow, local, epoch, bad_votes = self._state.snapshot()
+        if bad_votes > self._bad_votes_reported:
+            count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
+            raise CommunicatorError(
+                f"{count} overflow all-reduce(s) answered something that is no maximum of the ranks' 0/1 flags: the "
+                f"communicator did not run a MAX reduction of int32 flags. Those steps counted as overflows."
+            )
+        return state, overflow, local, epoch
+
     def scale_factor(self) -> float:
         """Return the current scale (synchronizes: it lives on the device)."""
-        return float(self._state.snapshot()[0].scale)
+        return float(self._snapshot()[0].scale)
 
     def scale_loss(self, loss: Any) -> None:
         """Multiply ``loss`` in place by the scale, read on the device; this opens a step. Never synchronizes.
@@ -143,6 +166,7 @@ class SyncFreeGradScaler:
         """
         backend, array = parse_loss(loss)
         with self._order:
+            self._order.check_scale_loss()
             state = self._state_for(backend, backend.location(array)[1])
             self._order.scale_loss()
             state.scale_loss(array)
@@ -175,43 +199,44 @@ class SyncFreeGradScaler:
             except BaseException as error:
                 if vote is not None:
                     # The other ranks wait in this call's vote: vote "overflow", so every rank skips this step.
-                    self._record_failure(None)
-                    vote_after_failure(vote, error)
+                    self._fail_call(None, vote, error)
                 raise
-            if self._claims is None:  # the step's first call
-                state.begin_step()
-                self._order.phase = CHECKED
-                self._records = []
-                self._claims = claims
-            self._run(state, call, vote)
-            return state.finite
+            return self._run(state, call, claims, vote)
 
-    def _record_failure(self, call: Call | None) -> None:
-        if self._order.phase != CHECKED:
-            self._state.begin_step()
-            self._order.phase = CHECKED
-            self._records = []
-            self._claims = StepClaims()
-        self._records.append(_Record(call, ()))
-        self._state.mark_overflow()
+    def _open_checks(self, claims: StepClaims) -> None:
+        """Begin the checks of a step: the host's bookkeeping first, then the state's flags."""
+        self._order.phase = CHECKED
+        self._records = []
+        self._claims = claims
+        self._state.begin_step()
 
-    def _run(self, state: Any, call: Call, vote: OverflowVote | None) -> None:
+    def _fail_call(self, call: Call | None, vote: OverflowVote | None, error: BaseException) -> None:
+        """Count a failed call as an overflow of the step and, if ``vote`` was not cast yet, vote "overflow"."""
+        try:
+            if self._order.phase != CHECKED:
+                self._open_checks(StepClaims())
+            self._records.append(_Record(call, ()))
+            self._state.mark_overflow()
+        finally:
+            if vote is not None:
+                vote_after_failure(vote, error)
+
+    def _run(self, state: Any, call: Call, claims: StepClaims, vote: OverflowVote | None) -> Any:
         """Unscale a claimed call and queue its vote; any failure counts as an overflow of the step."""
         voted = False
         try:
+            if self._claims is None:  # the step's first call
+                self._open_checks(claims)
             culprits = state.unscale(call) if call.backend is not None else ()
             if vote is not None:
-                state.vote(vote)  # a vote that raises took no part: vote_after_failure votes below
+                state.vote(vote)  # a vote that raises took no part: _fail_call votes
                 voted = True
                 state.combine()
         except BaseException as error:
-            try:
-                self._record_failure(call)
-            finally:
-                if vote is not None and not voted:
-                    vote_after_failure(vote, error)
+            self._fail_call(call, None if voted else vote, error)
             raise
         self._records.append(_Record(call, culprits))
+        return state.finite
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.
@@ -227,10 +252,11 @@ class SyncFreeGradScaler:
             raise ArgumentTypeError(
                 f"apply_if_finite expected as many updates as targets, got {len(updates)} and {len(targets)}."
             )
-        finite = self._state.finite
-        copyto = np.copyto if isinstance(finite, np.ndarray) else sys.modules["cupy"].copyto
+        state = self._state
+        copyto = np.copyto if isinstance(state.finite, np.ndarray) else sys.modules["cupy"].copyto
+        state.follow()  # after the state's last work, whichever stream that was on
         for target, update in zip(targets, updates):
-            copyto(target, update, where=finite)
+            copyto(target, update, where=state.finite)
 
     def update(self) -> None:
         """End the step on the device: back off after an overflow, grow after enough clean steps. Never synchronizes.
@@ -246,24 +272,23 @@ class SyncFreeGradScaler:
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed (synchronizes)."""
-        return bool(self._state.snapshot()[1])
+        return bool(self._snapshot()[1])
 
     def nonfinite_gradients(self) -> list[Hashable]:
         """Return which gradients held inf/nan in the current (or last) step, as GradScaler does (synchronizes)."""
-        with self._order:
-            state = self._state
-            epoch = state.snapshot()[3]
-            found: list[Hashable] = []
-            for record in self._records:
-                if record.call is None:
-                    continue
-                culprits = record.culprits if record.culprits is not None else state.culprits(record.call, epoch)
-                found += [record.call.labels[position] for position in culprits]
-            return found
+        state, records = self._state, self._records  # records are replaced, never changed, by a new step
+        epoch = self._snapshot()[3]
+        found: list[Hashable] = []
+        for record in records:
+            if record.call is None:
+                continue
+            culprits = record.culprits if record.culprits is not None else state.culprits(record.call, epoch)
+            found += [record.call.labels[position] for position in culprits]
+        return found
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (synchronizes)."""
-        state, overflow, local, _ = self._state.snapshot()
+        state, overflow, local, _ = self._snapshot()
         return GradScalerStats(
             scale=state.scale,
             consecutive_good_steps=state.consecutive_good_steps,
@@ -285,7 +310,7 @@ class SyncFreeGradScaler:
         """
         with self._order:
             self._order.require_no_step("checkpoint() cannot capture a resumable state")
-            state, overflow, local, _ = self._state.snapshot()
+            state, overflow, local, _ = self._snapshot()
             return GradScalerCheckpoint.capture(
                 self._config, state, enabled=True, found_overflow=overflow, found_overflow_local=local
             )
@@ -313,6 +338,7 @@ class SyncFreeGradScaler:
         with self._order:
             self._order.require_no_step("load_checkpoint() cannot replace the state")
             epoch = self._state.snapshot()[3]
+            self._bad_votes_reported = 0  # restore() clears the state's count
             config = checkpoint.config()
             self._state.restore(
                 config, checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local, epoch

@@ -80,10 +80,11 @@ struct State {
     double max_scale;  // inf without a ceiling
     u64 growth_interval;
     u64 hysteresis;
+    u64 bad_votes;  // all-reduce answers that were no maximum of the ranks' flags (the host raises on them)
     float scale;
     int found;             // 1 once this rank's gradients of the step held inf/nan
     int agreed;            // with a communicator: the MAX of `found` over the ranks (the all-reduce)
-    unsigned char finite;  // 1 until the step is known to overflow: what users gate their update on
+    unsigned char finite;  // the verdict handed to users (1: finite); the rule never reads it back
 };
 
 struct StateArgs {
@@ -192,8 +193,8 @@ struct Double {
         return nonfinite(join(v.x, v.y)) | nonfinite(join(v.z, v.w));
     }
     static __device__ __forceinline__ void multiply_finite(uint4& v, float factor) {
-        double a = __dmul_rn(__longlong_as_double((long long)join(v.x, v.y)), (double)factor);
-        double b = __dmul_rn(__longlong_as_double((long long)join(v.z, v.w)), (double)factor);
+        double a = __dmul_rn(__longlong_as_double((long long)join(v.x, v.y)), widen(factor));
+        double b = __dmul_rn(__longlong_as_double((long long)join(v.z, v.w)), widen(factor));
         u64 ra = (u64)__double_as_longlong(a), rb = (u64)__double_as_longlong(b);
         v.x = (u32)ra;
         v.y = (u32)(ra >> 32);
@@ -205,7 +206,7 @@ struct Double {
     }
     static __device__ __forceinline__ bits multiply(bits x, float factor) {
         if ((x & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return x | 0x0008000000000000ull;
-        u64 r = (u64)__double_as_longlong(__dmul_rn(__longlong_as_double((long long)x), (double)factor));
+        u64 r = (u64)__double_as_longlong(__dmul_rn(__longlong_as_double((long long)x), widen(factor)));
         if ((r & 0x7fffffffffffffffull) > 0x7ff0000000000000ull) return 0xfff8000000000000ull;
         return r;
     }

@@ -15,7 +15,7 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
 // cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
-    const bool overflow = s->finite == 0;
+    const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
     const float old = s->scale;
     float scale = old;
     s->steps += 1;
@@ -60,9 +60,13 @@ CUPY_AMP_ONE_THREAD(cupy_amp_begin_step, StateArgs) {
 }
 
 // After the all-reduce: the step overflowed if any rank's gradients did, this rank's included whatever
-// the reduction answered (any nonzero answer counts as an overflow).
+// the reduction answered. An answer that is no maximum of 0/1 flags is counted (and is an overflow).
 CUPY_AMP_ONE_THREAD(cupy_amp_combine_vote, StateArgs) {
     cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    if (s->agreed < s->found || s->agreed > 1) {
+        s->bad_votes += 1;
+        s->agreed = 1;
+    }
     if (s->found != 0 || s->agreed != 0) s->finite = 0;
 }
 

@@ -236,3 +236,44 @@ def test_the_verdict_handed_out_cannot_be_overwritten() -> None:
     with pytest.raises(ValueError, match="read-only"):
         verdict[()] = True
     assert scaler.had_overflow()
+
+
+class LaunchFailure(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("failing", "bad_argument"),
+    [("begin_step", False), ("mark_overflow", True)],
+    ids=["the step's flags cannot be reset", "a refused call cannot be marked"],
+)
+def test_a_failing_state_operation_still_votes_once(
+    monkeypatch: pytest.MonkeyPatch, failing: str, bad_argument: bool
+) -> None:
+    # On the GPU these are kernel launches, which can fail (a dead context); the other ranks must not hang.
+    real = getattr(numpy_backend.HostState, failing)
+
+    def broken(self: Any) -> None:
+        if getattr(self, "armed", False):
+            raise LaunchFailure(failing)
+        real(self)
+
+    monkeypatch.setattr(numpy_backend.HostState, failing, broken)
+
+    def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
+        scaler = SyncFreeGradScaler(init_scale=8.0, comm=FakeVote(world, rank))
+        scaler.unscale_and_check([np.ones(2, np.float32)])
+        scaler.update()
+        grads: list[Any] = [np.ones(2, np.int32 if bad_argument else np.float32)]
+        if rank == 0:
+            scaler._state.armed = True
+            with pytest.raises(LaunchFailure):
+                scaler.unscale_and_check(grads)
+            scaler._state.armed = False
+            outcome = "failed"
+        else:
+            outcome = bool(scaler.unscale_and_check([np.ones(2, np.float32)]))
+        return outcome, world.vote_count(rank)
+
+    world = FakeWorld(2, timeout=3.0)
+    assert run_ranks(world, body) == [("failed", 2), (False, 2)]

@@ -13,6 +13,7 @@ from helpers import assert_same_bits
 cupy = pytest.importorskip("cupy")
 
 from cupy_amp import (  # noqa: E402
+    CommunicatorError,
     GradientSet,
     GradientTypeError,
     GradScaler,
@@ -253,3 +254,74 @@ def test_the_state_does_not_move_to_the_gpu_in_the_middle_of_a_step() -> None:
     assert isinstance(verdict, cupy.ndarray) and not bool(verdict)
     scaler.update()
     assert scaler.stats().skipped_steps == 1 and scaler.stats().scale == 2.0
+
+
+def test_writing_into_the_verdict_does_not_change_the_rule() -> None:
+    scaler = SyncFreeGradScaler(init_scale=8.0, growth_interval=1)
+    verdict = scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])
+    verdict[()] = True  # a careless in-place op on the returned array
+    scaler.update()
+    assert scaler.stats().scale == 4.0 and scaler.had_overflow()
+    verdict = scaler.unscale_and_check([cupy.ones(2, cupy.float32)])
+    verdict &= False
+    scaler.update()
+    assert scaler.stats().scale == 8.0 and scaler.stats().skipped_steps == 1
+
+
+class DeviceVote:
+    """A vote whose reduction writes ``answer`` (on the stream) instead of the MAX over the ranks."""
+
+    def __init__(self, answer: int) -> None:
+        self.answer = answer
+
+    def reduce_max(self, flags: Any, stream: Any) -> None:
+        with stream:
+            flags[1:2].fill(self.answer)
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        raise AssertionError("a sync-free step votes on the device")
+
+
+@pytest.mark.parametrize(("answer", "poisoned"), [(7, False), (0, True), (-1, False)], ids=["7", "min", "negative"])
+def test_an_answer_that_is_no_maximum_counts_as_an_overflow_and_is_reported(answer: int, poisoned: bool) -> None:
+    scaler = SyncFreeGradScaler(init_scale=8.0, comm=DeviceVote(answer))
+    grad = cupy.ones(2, cupy.float32)
+    if poisoned:
+        grad[0] = cupy.inf  # this rank's own overflow, which a MIN reduction would hide
+    assert not bool(scaler.unscale_and_check([grad]))
+    scaler.update()
+    with pytest.raises(CommunicatorError, match="no maximum"):
+        scaler.stats()
+    stats = scaler.stats()  # reported once
+    assert stats.skipped_steps == 1 and stats.scale == 4.0
+
+
+def test_float64_gradients_and_losses_keep_subnormal_factors() -> None:
+    # scale 2**127: the inverse, 2**-127, is a float32 subnormal that float64 arithmetic must not flush.
+    for scaler_type in (GradScaler, SyncFreeGradScaler):
+        device, host = scaler_type(init_scale=2.0**127, max_scale=None), GradScaler(init_scale=2.0**127, max_scale=None)
+        values = np.array([3.0, -5.5, 1e300, 2.0**-1000], np.float64)
+        grad = cupy.asarray(values)
+        expected = values.copy()
+        assert bool(device.unscale_and_check([grad])) and host.unscale_and_check([expected])
+        assert_same_bits(grad, expected)
+        small = scaler_type(init_scale=2.0**-127, min_scale=None)
+        loss, expected_loss = cupy.full((), 3.0, cupy.float64), np.full((), 3.0, np.float64)
+        small.scale_loss(loss)
+        GradScaler(init_scale=2.0**-127, min_scale=None).scale_loss(expected_loss)
+        assert_same_bits(loss, expected_loss)
+        assert float(expected_loss) != 0.0
+
+
+def test_work_on_another_stream_waits_for_the_states_last_update() -> None:
+    scaler = SyncFreeGradScaler(init_scale=4.0, growth_interval=1)
+    grads = scaler.prepare([cupy.ones(4, cupy.float32)])
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with second:
+        scaler.unscale_and_check(grads)
+        spin(200_000_000)  # about 100 ms on an H200: the update below runs late
+        scaler.update()  # 4 -> 8
+    with first:
+        loss = cupy.ones((), cupy.float32)
+        scaler.scale_loss(loss)  # must read 8, not the 4 still in memory while `second` spins
+        assert float(cupy.asnumpy(loss, stream=first)) == 8.0
