@@ -317,6 +317,19 @@ def _expect_exactly(fields: Any, names: tuple[str, ...] | list[str], what: str, 
         raise CheckpointFieldError(f"{what}: unknown {kind}(s) {', '.join(unknown)}{of}.")
 
 
+def expect_checkpoint(value: object) -> None:
+    """Raise unless ``value`` is a :class:`GradScalerCheckpoint` (what ``load_checkpoint`` takes).
+
+    Raises:
+        ArgumentTypeError: It is something else (a dict, a path...).
+    """
+    if not isinstance(value, GradScalerCheckpoint):
+        raise ArgumentTypeError(
+            f"load_checkpoint expected a GradScalerCheckpoint, got {type(value).__name__}; "
+            f"read files with GradScalerCheckpoint.load(path)."
+        )
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> tuple[int, GradScalerCheckpoint]:
     """Return the format version a checkpoint file was written in, and the checkpoint it holds.
 

@@ -29,6 +29,7 @@ __all__ = [
     "expect_float",
     "expect_int",
     "expect_scale",
+    "initial_state",
     "inverse_scale",
     "next_state",
     "to_float32",
@@ -196,6 +197,17 @@ class ScalerState:
     growths: int = 0
     backoffs: int = 0
     remote_skipped_steps: int = 0
+
+
+def initial_state(config: ScalerConfig, init_scale: object) -> ScalerState:
+    """Return the state a new scaler starts from.
+
+    Raises:
+        ConfigError: ``init_scale`` is no valid scale, or lies outside the clamps.
+    """
+    scale = expect_scale(ConfigError, "init_scale", init_scale)
+    config.check_scale(scale, "init_scale")
+    return ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
 
 
 def next_state(

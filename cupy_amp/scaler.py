@@ -8,11 +8,11 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict, overflow_vote_for, vote_after_failure
-from cupy_amp.errors import ArgumentTypeError, ConfigError
+from cupy_amp.errors import ConfigError
 from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_scale, inverse_scale, next_state
+from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, inverse_scale, next_state
 from cupy_amp.step_order import CHECKED, IDLE, StepOrder
 
 __all__ = ["GradScaler", "GradScalerStats"]
@@ -47,6 +47,22 @@ class GradScalerStats:
     backoffs: int
     remote_skipped_steps: int
     last_overflow: str
+
+    @classmethod
+    def of(cls, state: ScalerState, enabled: bool, overflow: bool, local: bool) -> GradScalerStats:
+        """Build the snapshot of ``state``, whose last step did (or did not) overflow, here or elsewhere."""
+        return cls(
+            scale=state.scale,
+            consecutive_good_steps=state.consecutive_good_steps,
+            hysteresis_tracker=state.hysteresis_tracker,
+            enabled=enabled,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
+            last_overflow=("local" if local else "remote") if overflow else "none",
+        )
 
     def to_dict(self) -> dict[str, float | int | bool | str]:
         """Return the fields as a plain dict (for loggers such as TensorBoard or W&B)."""
@@ -127,10 +143,8 @@ class GradScaler:
         comm: Any = None,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        scale = expect_scale(ConfigError, "init_scale", init_scale)
-        config.check_scale(scale, "init_scale")
         self._config = config
-        self._state = ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
+        self._state = initial_state(config, init_scale)
         self._enabled = expect_bool(ConfigError, "enabled", enabled)
         self._vote: OverflowVote | None = overflow_vote_for(comm)
         self._order = StepOrder()
@@ -335,20 +349,8 @@ class GradScaler:
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (never synchronizes)."""
-        state = self._state  # immutable: a consistent read without the lock, even from a signal handler
-        last = ("local" if self._found_overflow_local else "remote") if self._found_overflow else "none"
-        return GradScalerStats(
-            scale=state.scale,
-            consecutive_good_steps=state.consecutive_good_steps,
-            hysteresis_tracker=state.hysteresis_tracker,
-            enabled=self._enabled,
-            steps=state.steps,
-            skipped_steps=state.skipped_steps,
-            growths=state.growths,
-            backoffs=state.backoffs,
-            remote_skipped_steps=state.remote_skipped_steps,
-            last_overflow=last,
-        )
+        # The state is immutable: a consistent read without the lock, even from a signal handler.
+        return GradScalerStats.of(self._state, self._enabled, self._found_overflow, self._found_overflow_local)
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit (never synchronizes).
@@ -373,11 +375,7 @@ class GradScaler:
             ArgumentTypeError: ``checkpoint`` is not a GradScalerCheckpoint.
             ScalerProtocolError: A step is open (the loss was scaled with the old scale).
         """
-        if not isinstance(checkpoint, GradScalerCheckpoint):
-            raise ArgumentTypeError(
-                f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
-                f"read files with GradScalerCheckpoint.load(path)."
-            )
+        expect_checkpoint(checkpoint)
         with self._order:
             self._order.require_no_step("load_checkpoint() cannot replace the state")
             self._config = checkpoint.config()

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp import numpy_backend
-from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, vote_after_failure
 from cupy_amp.errors import (
     ArgumentTypeError,
@@ -21,7 +21,7 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.gradients import Call, CallCache, GradientSet, StepClaims, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_scale
+from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
 from cupy_amp.scaler import GradScalerStats
 from cupy_amp.step_order import CHECKED, IDLE, StepOrder
 
@@ -76,10 +76,8 @@ class SyncFreeGradScaler:
         comm: Any = None,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        scale = expect_scale(ConfigError, "init_scale", init_scale)
-        config.check_scale(scale, "init_scale")
         self._config = config
-        state = ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
+        state = initial_state(config, init_scale)
         # Host state until the first array shows where the state belongs (_state_for).
         self._state: Any = numpy_backend.HostState(config, state, False, False, 0)
         self._bound: types.ModuleType | None = None  # the backend the state belongs to, once known
@@ -289,18 +287,7 @@ class SyncFreeGradScaler:
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (synchronizes)."""
         state, overflow, local, _ = self._snapshot()
-        return GradScalerStats(
-            scale=state.scale,
-            consecutive_good_steps=state.consecutive_good_steps,
-            hysteresis_tracker=state.hysteresis_tracker,
-            enabled=True,
-            steps=state.steps,
-            skipped_steps=state.skipped_steps,
-            growths=state.growths,
-            backoffs=state.backoffs,
-            remote_skipped_steps=state.remote_skipped_steps,
-            last_overflow=("local" if local else "remote") if overflow else "none",
-        )
+        return GradScalerStats.of(state, True, overflow, local)
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit (synchronizes); loadable by either scaler.
@@ -325,11 +312,7 @@ class SyncFreeGradScaler:
             ConfigError: The checkpoint is of a disabled scaler (a sync-free scaler is always enabled).
             ScalerProtocolError: A step is open.
         """
-        if not isinstance(checkpoint, GradScalerCheckpoint):
-            raise ArgumentTypeError(
-                f"load_checkpoint expected a GradScalerCheckpoint, got {type(checkpoint).__name__}; "
-                f"read files with GradScalerCheckpoint.load(path)."
-            )
+        expect_checkpoint(checkpoint)
         if not checkpoint.enabled:
             raise ConfigError(
                 "This checkpoint is of a disabled scaler; a SyncFreeGradScaler is always enabled. Load it into a "
