@@ -73,7 +73,7 @@ struct State {
     u64 growths;
     u64 backoffs;
     u64 remote_skipped_steps;
-    u64 epoch;  // the open (or last) step's number: the scaler's own number << 32, plus a step count
+    u64 epoch;             // the open (or last) step's number: the scaler's own number << 32, plus a step count
     double growth_factor;  // the update rule's configuration: cupy_amp.rule.ScalerConfig
     double backoff_factor;
     double floor;      // min_scale, or the smallest scale with a finite float32 inverse
@@ -106,7 +106,9 @@ __device__ __forceinline__ float narrow(double d) {
 }
 
 // float32(1 / float64(scale)): what cupy_amp.rule.inverse_scale computes on the host.
-__device__ __forceinline__ float inverse_of(float scale) { return narrow(__drcp_rn(widen(scale))); }
+__device__ __forceinline__ float inverse_of(float scale) {
+    return narrow(__drcp_rn(widen(scale)));
+}
 
 __device__ __forceinline__ float mul_f32(float a, float b) {
     float r;

@@ -4,7 +4,9 @@
 
 namespace cupy_amp {
 
-__device__ __forceinline__ u32 bits_of(float f) { return __float_as_uint(f); }
+__device__ __forceinline__ u32 bits_of(float f) {
+    return __float_as_uint(f);
+}
 
 // The next step's epoch: the count in the low 32 bits goes up, skipping 0; the scaler's number stays.
 __device__ __forceinline__ u64 next_epoch(u64 epoch) {
