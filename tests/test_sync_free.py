@@ -277,3 +277,26 @@ def test_a_failing_state_operation_still_votes_once(
 
     world = FakeWorld(2, timeout=3.0)
     assert run_ranks(world, body) == [("failed", 2), (False, 2)]
+
+
+def test_two_threads_passing_the_same_gradients_divide_them_once() -> None:
+    import threading
+
+    scaler = SyncFreeGradScaler(init_scale=2.0)
+    grads = [np.full(1000, 8.0, np.float32) for _ in range(50)]
+    barrier, outcomes = threading.Barrier(2), []
+
+    def call() -> None:
+        barrier.wait()
+        try:
+            outcomes.append(bool(scaler.unscale_and_check(grads)))
+        except DuplicateGradientError:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes, key=str) == [True, "refused"]
+    assert all(grad.tolist() == [4.0] * 1000 for grad in grads)
