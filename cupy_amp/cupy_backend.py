@@ -29,9 +29,12 @@ import cupy
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, device_answer
+from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_sources import read_kernel_source
+from cupy_amp.optim.reference import ADAMW_STATE, SGD_STATE
 from cupy_amp.rule import ScalerConfig, ScalerState
+from cupy_amp.statistics import STATS, GradientStats
 
 if TYPE_CHECKING:
     from importlib.abc import Traversable
@@ -47,10 +50,16 @@ __all__ = [
     "THREADS",
     "UNSCALE_ARGS",
     "DeviceState",
+    "DeviceStats",
+    "ParamTable",
     "as_array",
+    "check",
     "compile_options",
     "layout_checks",
+    "load_optimizer",
     "location",
+    "optimizer_step",
+    "param_tables",
     "prepare",
     "refuse_capture",
     "scale_loss",
@@ -116,6 +125,44 @@ STATE = np.dtype(
     align=True,
 )
 STATE_ARGS = np.dtype([("state", "<u8")], align=True)
+STATS_ARGS = np.dtype(
+    [
+        ("chunks", "<u8"),
+        ("layouts", "<u8"),
+        ("chunk_count", "<i8"),
+        ("partials", "<u8"),
+        ("found", "<u8"),
+        ("finite", "<u8"),
+        ("tensor_found", "<u8"),
+        ("state", "<u8"),
+        ("epoch", "<u8"),
+    ],
+    align=True,
+)
+FINISH_ARGS = np.dtype(
+    [
+        ("stats", "<u8"),
+        ("partials", "<u8"),
+        ("partial_count", "<i8"),
+        ("state", "<u8"),
+        ("inv_scale", "<f4"),
+        ("max_norm", "<f4"),
+    ],
+    align=True,
+)
+PARAM_CHUNK = np.dtype(
+    [
+        ("grad", "<u8"),
+        ("param", "<u8"),
+        ("master", "<u8"),
+        ("first_moment", "<u8"),
+        ("second_moment", "<u8"),
+        ("count", "<i8"),
+    ],
+    align=True,
+)
+OPTIMIZER_ARGS = np.dtype([("chunks", "<u8"), ("chunk_count", "<i8"), ("hyper", "<u8")], align=True)
+BEGIN_ARGS = np.dtype([("hyper", "<u8"), ("stats", "<u8")], align=True)
 _FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
 _STRUCTS = {
@@ -124,12 +171,35 @@ _STRUCTS = {
     "cupy_amp::ScaleArgs": SCALE_ARGS,
     "cupy_amp::State": STATE,
     "cupy_amp::StateArgs": STATE_ARGS,
+    "cupy_amp::Stats": STATS,
+    "cupy_amp::StatsArgs": STATS_ARGS,
+    "cupy_amp::FinishArgs": FINISH_ARGS,
+    "cupy_amp::ParamChunk": PARAM_CHUNK,
+    "cupy_amp::OptimizerArgs": OPTIMIZER_ARGS,
+    "cupy_amp::BeginArgs": BEGIN_ARGS,
+    "cupy_amp::AdamWState": ADAMW_STATE,
+    "cupy_amp::SgdState": SGD_STATE,
 }
-_DTYPE_NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.dtype(np.float64): "float64"}
+_UNSCALE_DTYPE_NAMES = ("float16", "float32", "float64")
+_STATS_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
+_PARAM_DTYPE_NAMES = ("float16", "bfloat16", "float32")
 # Each kernel file's entry points and the struct each takes, by value.
 _ENTRIES = {
-    "unscale_check.cu": {f"cupy_amp_unscale_check_{name}": "cupy_amp::UnscaleArgs" for name in _DTYPE_NAMES.values()},
-    "scale_loss.cu": {f"cupy_amp_scale_loss_{name}": "cupy_amp::ScaleArgs" for name in _DTYPE_NAMES.values()},
+    "unscale_check.cu": {f"cupy_amp_unscale_check_{name}": "cupy_amp::UnscaleArgs" for name in _UNSCALE_DTYPE_NAMES},
+    "scale_loss.cu": {f"cupy_amp_scale_loss_{name}": "cupy_amp::ScaleArgs" for name in _UNSCALE_DTYPE_NAMES},
+    "grad_stats.cu": {
+        **{f"cupy_amp_gradient_stats_{name}": "cupy_amp::StatsArgs" for name in _STATS_DTYPE_NAMES},
+        "cupy_amp_finish_stats": "cupy_amp::FinishArgs",
+    },
+    "optimizers.cu": {
+        "cupy_amp_adamw_begin": "cupy_amp::BeginArgs",
+        "cupy_amp_sgd_begin": "cupy_amp::BeginArgs",
+        **{
+            f"cupy_amp_{rule}_{name}": "cupy_amp::OptimizerArgs"
+            for rule in ("adamw", "sgd")
+            for name in _PARAM_DTYPE_NAMES
+        },
+    },
     "step_state.cu": {
         "cupy_amp_begin_step": "cupy_amp::StateArgs",
         "cupy_amp_combine_vote": "cupy_amp::StateArgs",
@@ -315,7 +385,7 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
             base = loss.data.ptr
             layout = cupy.asarray(np.array(_layout(loss), dtype=np.int64))  # freed in stream order
         chunk = CHUNK_BYTES // loss.itemsize
-        _scale_launcher(_DTYPE_NAMES[loss.dtype])(
+        _scale_launcher(dtype_name(loss.dtype))(
             min(-(-loss.size // chunk), _MAX_GRID),
             cupy.cuda.get_current_stream().ptr,
             base=base,
@@ -338,7 +408,8 @@ class _Table(NamedTuple):
     chunk_count: int
     memory: cupy.ndarray  # the chunk records, then the layouts of strided tensors
     tensor_found: cupy.ndarray  # uint64 per tensor: the epoch of the last launch that saw inf/nan in it
-    launch: _Launcher | None  # None when the group has no elements
+    launch: _Launcher | None  # the unscale kernel; None when the group has no elements, or is bfloat16
+    stats: _Launcher | None  # the statistics kernel; None when the group has no elements
 
 
 class _Group(NamedTuple):
@@ -371,7 +442,7 @@ def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[_Group, ...]:
                 _tables.move_to_end(key)
         if table is None:
             with _on_device(device):
-                table = _build_table([arrays[p] for p in members], _DTYPE_NAMES[dtype])
+                table = _build_table([arrays[p] for p in members], str(dtype_name(dtype)))
             with _tables_lock:
                 _tables[key] = table
                 while len(_tables) > _TABLES_KEPT:
@@ -393,7 +464,7 @@ def refuse_capture(what: str) -> None:
         )
 
 
-def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
+def _build_table(arrays: list[cupy.ndarray], type_name: str) -> _Table:
     """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
     refuse_capture("these gradients' device tables are not built yet")
     count = len(arrays)
@@ -431,17 +502,15 @@ def _build_table(arrays: list[cupy.ndarray], dtype_name: str) -> _Table:
     # A table may be launched from another stream or thread (a GradientSet, the shared cache): it must be
     # complete on the device before it is handed out. Tables are built once per layout, so this wait is rare.
     stream.synchronize()
-    launch = None
+    launch = stats = None
     if chunk_count:
-        launch = _Launcher(
-            _function("unscale_check.cu", f"cupy_amp_unscale_check_{dtype_name}"),
-            UNSCALE_ARGS,
-            chunks=memory.data.ptr,
-            layouts=memory.data.ptr + records.nbytes,
-            chunk_count=chunk_count,
-            tensor_found=tensor_found.data.ptr,
-        )
-    return _Table(chunk_count, memory, tensor_found, launch)
+        tables = {"chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": chunk_count}
+        if type_name in _UNSCALE_DTYPE_NAMES:
+            function = _function("unscale_check.cu", f"cupy_amp_unscale_check_{type_name}")
+            launch = _Launcher(function, UNSCALE_ARGS, tensor_found=tensor_found.data.ptr, **tables)
+        function = _function("grad_stats.cu", f"cupy_amp_gradient_stats_{type_name}")
+        stats = _Launcher(function, STATS_ARGS, tensor_found=tensor_found.data.ptr, **tables)
+    return _Table(chunk_count, memory, tensor_found, launch, stats)
 
 
 class _Flags:
@@ -596,6 +665,172 @@ class Unscaled:
 _lost_flags: list[_Flags] = []
 
 
+# The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
+
+_STATS_GROUPS = 4  # the dtypes a device's gradients can have: one launch, and one range of partials, each
+_STATS_BLOCKS_PER_SM = 4  # 2048 threads per multiprocessor: enough loads in flight to reach bandwidth
+_STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _stats_grid() -> int:
+    """Return the blocks of every statistics launch on the current device: fixed, so the sums' order is too."""
+    return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _finish_launcher() -> _Launcher:
+    return _Launcher(_function("grad_stats.cu", "cupy_amp_finish_stats"), FINISH_ARGS)
+
+
+class DeviceStats:
+    """A scaler's Stats record and the statistics launches' partial sums, on one device.
+
+    The record is reused step after step (so a captured step keeps reading it):
+    its views hold the latest ``check()``'s values.
+    """
+
+    def __init__(self, device: int, finite: Any) -> None:
+        self.device = device
+        with _on_device(device):
+            self._grid = _stats_grid()
+            self._finish = _finish_launcher()  # loaded now, not inside a capture
+            self._partial_count = _STATS_GROUPS * self._grid
+            self._memory = cupy.zeros(STATS.itemsize + 8 * self._partial_count, dtype=np.uint8)
+        self.address = int(self._memory.data.ptr)
+        self.found = self._field("found", np.int32)
+        self.skip = self._field("skip", np.int32)
+        norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
+        self.result = GradientStats(norm, clip, finite, self.address)
+
+    def _field(self, name: str, dtype: type) -> cupy.ndarray:
+        offset = _STATS_FIELDS[name]
+        return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
+
+    def gather(self, plan: tuple[_Group, ...], stream: Any, *, found: int, finite: int, state: int, epoch: int,
+               inv_scale: np.float32, max_norm: float) -> None:  # fmt: skip
+        """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
+
+        The kernels set ``*found`` (an int) and ``*finite`` (if not 0) on inf/nan;
+        with a ``state`` (a State's address) its epoch, scale and verdict are used.
+        """
+        partials = self.address + STATS.itemsize
+        for index, group in enumerate(plan or ()):
+            if group.table.stats is not None:
+                grid = min(group.table.chunk_count, self._grid)
+                group.table.stats(
+                    grid, stream.ptr, partials=partials + 8 * index * self._grid, found=found, finite=finite,
+                    state=state, epoch=epoch,
+                )  # fmt: skip
+        self._finish(
+            1, stream.ptr, stats=self.address, partials=partials, partial_count=self._partial_count, state=state,
+            inv_scale=inv_scale, max_norm=np.float32(max_norm),
+        )  # fmt: skip
+
+
+def check(
+    plan: tuple[_Group, ...], stats: DeviceStats, inverse: np.float32, max_norm: float
+) -> tuple[bool, tuple[int, ...]]:
+    """Run the statistics pass of one device's groups with a host-side inverse scale and wait for it.
+
+    Returns (whether any array held inf/nan, the positions of those arrays). The
+    one synchronization is the read of the flag (and, after an overflow, of the
+    per-array flags).
+    """
+    epoch = next(_epochs) % (2**32 - 1) + 1
+    with _on_device(stats.device):
+        stream = cupy.cuda.get_current_stream()
+        stats.found.fill(0)
+        found = stats.address + _STATS_FIELDS["found"]
+        stats.gather(plan, stream, found=found, finite=0, state=0, epoch=epoch, inv_scale=inverse, max_norm=max_norm)
+        local = bool(stats.found.get(stream=stream))  # waits for the stream
+        culprits: list[int] = []
+        if local:
+            for group in plan:
+                seen = group.table.tensor_found.get(stream=stream)
+                culprits += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
+    return local, tuple(sorted(culprits))
+
+
+# The fused optimizers (cupy_amp.optim): a one-thread begin kernel, then one launch per dtype group.
+
+PARAM_CHUNK_ELEMENTS = 16384  # one block's share of a parameter
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _optimizer_launcher(entry: str) -> _Launcher:
+    return _Launcher(_function("optimizers.cu", entry), OPTIMIZER_ARGS)
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _begin_launcher(rule: str) -> _Launcher:
+    return _Launcher(_function("optimizers.cu", f"cupy_amp_{rule}_begin"), BEGIN_ARGS, threads=1)
+
+
+class ParamTable(NamedTuple):
+    """One dtype group's ParamChunk records, in device memory: one launch."""
+
+    entry: str
+    memory: cupy.ndarray
+    chunk_count: int
+
+
+def param_tables(rule: str, groups: dict[str, list[tuple[int, ...]]], counts: dict[str, list[int]]) -> list[ParamTable]:
+    """Build the device tables of an optimizer step (waits for the copy: tables are built once per layout).
+
+    Args:
+        rule: "adamw" or "sgd".
+        groups: dtype name -> one (grad, param, master, first_moment, second_moment) address tuple per
+            parameter (0 for a buffer it does not have).
+        counts: dtype name -> the parameters' element counts.
+    """
+    refuse_capture("the optimizer's device tables for these gradients are not built yet")
+    tables = []
+    stream = cupy.cuda.get_current_stream()
+    for type_name, addresses in groups.items():
+        sizes = np.asarray(counts[type_name], dtype=np.int64)
+        itemsize = 4 if type_name == "float32" else 2
+        per = -(-sizes // PARAM_CHUNK_ELEMENTS)
+        tensor = np.repeat(np.arange(len(sizes)), per)
+        first = (
+            np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
+        ) * PARAM_CHUNK_ELEMENTS
+        bases = np.asarray(addresses, dtype=np.int64).reshape(len(sizes), 5)[tensor]
+        records = np.zeros(len(first), dtype=PARAM_CHUNK)
+        for column, (name, size) in enumerate(
+            (("grad", itemsize), ("param", itemsize), ("master", 4), ("first_moment", 4), ("second_moment", 4))
+        ):
+            records[name] = np.where(bases[:, column] != 0, bases[:, column] + first * size, 0)
+        records["count"] = np.minimum(sizes[tensor] - first, PARAM_CHUNK_ELEMENTS)
+        records = records[records["count"] > 0]
+        memory = cupy.empty(max(records.nbytes, 1), dtype=np.uint8)
+        if records.size:
+            memory[: records.nbytes].set(records.view(np.uint8), stream=stream)
+            tables.append(ParamTable(f"cupy_amp_{rule}_{type_name}", memory, int(records.size)))
+    stream.synchronize()
+    return tables
+
+
+def load_optimizer(rule: str, device: int) -> None:
+    """Load the optimizer's kernels now (a CUDA graph capture cannot load modules)."""
+    with _on_device(device):
+        _begin_launcher(rule)
+        for name in _PARAM_DTYPE_NAMES:
+            _optimizer_launcher(f"cupy_amp_{rule}_{name}")
+
+
+def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: int) -> None:
+    """Queue an optimizer step on the current stream: begin (reads ``stats``, 0 for none), then every group."""
+    with _on_device(device):
+        stream = cupy.cuda.get_current_stream().ptr
+        _begin_launcher(rule)(1, stream, hyper=hyper, stats=stats)
+        for table in tables:
+            grid = min(table.chunk_count, _MAX_GRID)
+            _optimizer_launcher(table.entry)(
+                grid, stream, chunks=table.memory.data.ptr, chunk_count=table.chunk_count, hyper=hyper
+            )
+
+
 # Sync-free scalers: their state in device memory (the State struct), stepped by one-thread kernels.
 
 _owners = itertools.count(1)  # each DeviceState's number, the high 32 bits of its epochs
@@ -630,13 +865,14 @@ class DeviceState:
             # Loaded now, not at a first call that may come inside a CUDA graph capture (which cannot load modules).
             for entry in _ENTRIES["step_state.cu"]:
                 _step_launcher(entry)
-            for dtype_name in _DTYPE_NAMES.values():
-                _scale_launcher(dtype_name)
+            for name in _UNSCALE_DTYPE_NAMES:
+                _scale_launcher(name)
         with _owners_lock:
             self._owner = (next(_owners) % 2**32) << 32
         self.address = int(self._memory.data.ptr)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
+        self.stats = DeviceStats(device, self.finite)
         self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
         self.restore(config, state, overflow, local, epoch)
 
@@ -723,6 +959,19 @@ class DeviceState:
                     group.table.launch(
                         grid, stream.ptr, inv_scale=0, epoch=0, found=found, finite=finite, state=self.address
                     )
+
+    def check(self, call: Any, max_norm: float) -> None:
+        """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
+
+        Returns None: the culprits are read later, by :meth:`culprits`.
+        """
+        found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
+        with _on_device(self.device):
+            stream = self.follow()
+            self.stats.gather(
+                call.plan, stream, found=found, finite=finite, state=self.address, epoch=0, inv_scale=np.float32(0),
+                max_norm=max_norm,
+            )  # fmt: skip
 
     def vote(self, vote: OverflowVote) -> None:
         """Queue the MAX all-reduce of this rank's flag (never synchronizes).

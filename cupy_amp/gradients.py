@@ -21,11 +21,10 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp import numpy_backend
+from cupy_amp.dtypes import bfloat16, dtype_name
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
 
 __all__ = ["Call", "CallCache", "Footprint", "GradientSet", "StepClaims", "describe", "parse_gradients", "parse_loss"]
-
-FLOAT_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
 
 class Footprint(NamedTuple):
@@ -55,6 +54,7 @@ class Call(NamedTuple):
         plan: What the backend prepared for these arrays (CuPy: device tables), or None.
         cacheable: The arrays' layouts cannot change behind the same objects, so the call
             may be reused when the same objects come back.
+        bfloat16: Some array is bfloat16 (read by ``check()``, never unscaled in place).
     """
 
     labels: tuple[Hashable, ...]
@@ -63,6 +63,7 @@ class Call(NamedTuple):
     footprints: tuple[Footprint, ...]
     plan: Any
     cacheable: bool
+    bfloat16: bool = False
 
 
 def describe(label: Hashable) -> str:
@@ -100,8 +101,11 @@ def _backend_of(obj: Any) -> tuple[types.ModuleType, Any] | None:
 
 def _problem(backend: types.ModuleType, array: Any, source: Any) -> tuple[type[Exception], str] | None:
     """Return (error class, reason) if ``array`` (made from ``source``) cannot be modified in place, else None."""
-    if array.dtype not in FLOAT_DTYPES:
-        return GradientTypeError, f"dtype {array.dtype} is not supported (expected float16, float32 or float64)"
+    if dtype_name(array.dtype) is None:
+        return GradientTypeError, (
+            f"dtype {array.dtype} is not supported (expected float16, float32 or float64; bfloat16 too, "
+            "with the ml_dtypes package)"
+        )
     problem = backend.write_problem(array, source)
     if problem is not None:
         return GradientValueError, problem
@@ -177,6 +181,11 @@ def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
             f"got {type(loss).__name__}."
         )
     backend, array = found
+    if array.dtype == bfloat16():
+        raise GradientTypeError(
+            "scale_loss cannot scale a bfloat16 loss: bfloat16 needs no loss scaling. Skip scale_loss and use a "
+            "guard scaler (GradScaler.guard()) whose check(gradients) finds inf/nan and clips."
+        )
     problem = _problem(backend, array, loss)
     if problem is not None:
         error, reason = problem
@@ -184,7 +193,9 @@ def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
     return backend, array
 
 
-def parse_gradients(gradients: Any, cache: CallCache | None = None, *, one_device: bool = False) -> Call:
+def parse_gradients(
+    gradients: Any, cache: CallCache | None = None, *, one_device: bool = False, in_place: bool = True
+) -> Call:
     """Validate the ``gradients`` argument of ``unscale_and_check`` and prepare its run.
 
     Accepts an iterable of arrays (``None`` entries skipped, their positions
@@ -206,6 +217,11 @@ def parse_gradients(gradients: Any, cache: CallCache | None = None, *, one_devic
         call = _parse(gradients)
         if cache is not None and call.cacheable:
             cache.store(gradients, call)
+    if in_place and call.bfloat16:
+        raise GradientTypeError(
+            "unscale_and_check cannot take bfloat16 gradients (they are never unscaled in place): use "
+            "check(gradients), which only reads them, with a guard scaler (GradScaler.guard())."
+        )
     if one_device and len({footprint.device for footprint in call.footprints}) > 1:
         devices = sorted({footprint.device for footprint in call.footprints})
         raise GradientValueError(
@@ -252,7 +268,9 @@ def _parse(gradients: Any) -> Call:
     footprints = tuple(_footprint(backend, array) for array in arrays)
     _check_disjoint(labels, footprints)
     plan = backend.prepare(arrays)
-    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, native and backend.LAYOUT_FIXED)
+    cacheable = native and backend.LAYOUT_FIXED
+    has_bfloat16 = bfloat16() is not None and any(array.dtype == bfloat16() for array in arrays)
+    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, cacheable, has_bfloat16)
 
 
 def _check_disjoint(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # importlib.resources.abc from Python 3.11 on
 
 __all__ = ["KERNEL_FILES", "kernel_directory", "read_kernel_source"]
 
-KERNEL_FILES = ("scale_loss.cu", "step_state.cu", "unscale_check.cu")
+KERNEL_FILES = ("grad_stats.cu", "optimizers.cu", "scale_loss.cu", "step_state.cu", "unscale_check.cu")
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$')
 
 

@@ -14,8 +14,19 @@ import numpy as np
 
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
+from cupy_amp.statistics import STATS, GradientStats, host_stats
 
-__all__ = ["LAYOUT_FIXED", "NAME", "HostState", "location", "prepare", "scale_loss", "unscale", "write_problem"]
+__all__ = [
+    "LAYOUT_FIXED",
+    "NAME",
+    "HostState",
+    "HostStats",
+    "location",
+    "prepare",
+    "scale_loss",
+    "unscale",
+    "write_problem",
+]
 
 NAME = "numpy"
 # NumPy lets an array's strides, dtype and writability change in place: validate on every call.
@@ -92,6 +103,16 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
         np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
 
 
+class HostStats:
+    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.cupy_backend.DeviceStats`)."""
+
+    device = -1
+
+    def __init__(self, finite: np.ndarray) -> None:
+        self.record = np.zeros((), dtype=STATS)
+        self.result = GradientStats(self.record["norm"], self.record["clip_coefficient"], finite, self.record)
+
+
 class HostState:
     """A sync-free scaler's state on the host: the reference for :class:`~cupy_amp.cupy_backend.DeviceState`.
 
@@ -107,6 +128,7 @@ class HostState:
         self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
         self.finite.flags.writeable = False
         self._answer: object = None
+        self.stats = HostStats(self.finite)
         self.restore(config, state, overflow, local, epoch)
 
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
@@ -131,6 +153,13 @@ class HostState:
     def unscale(self, call: Any) -> tuple[int, ...]:
         """Unscale a parsed call's arrays; return the positions of those that held inf/nan."""
         culprits = unscale(None, call.arrays, inverse_scale(self._state.scale), False).result()[2]
+        if culprits:
+            self.mark_overflow()
+        return culprits
+
+    def check(self, call: Any, max_norm: float) -> tuple[int, ...]:
+        """Fill the statistics record from a parsed call's arrays; return the positions of those that held inf/nan."""
+        culprits = host_stats(self.stats.record, call.arrays, inverse_scale(self._state.scale), max_norm)
         if culprits:
             self.mark_overflow()
         return culprits

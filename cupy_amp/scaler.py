@@ -8,12 +8,14 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict, overflow_vote_for, vote_after_failure
-from cupy_amp.errors import ConfigError
+from cupy_amp.errors import ConfigError, GradientValueError
 from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, inverse_scale, next_state
-from cupy_amp.step_order import CHECKED, IDLE, StepOrder
+from cupy_amp.statistics import GradientStats, expect_max_norm, host_stats
+from cupy_amp.step_order import CHECKED, IDLE, StepOrder, refuse_after_check, refuse_second_check
 
 __all__ = ["GradScaler", "GradScalerStats"]
 
@@ -156,6 +158,8 @@ class GradScaler:
         self._found_overflow_local = False
         # Gradient arguments seen before, so a repeated list skips validation and setup.
         self._cache = CallCache()
+        self._checked_read_only = False  # this step's gradients went through check(), not unscale_and_check()
+        self._stats: dict[int, Any] = {}  # check()'s records, by device (-1: the host)
 
     @classmethod
     def with_params(
@@ -228,6 +232,7 @@ class GradScaler:
             CommunicatorError: The communicator failed or answered garbage.
         """
         with self._order:
+            refuse_after_check(self._checked_read_only)
             if not self._enabled:
                 parse_gradients(gradients)
                 self._order.phase = CHECKED
@@ -247,6 +252,71 @@ class GradScaler:
                 self._begin_checks()
                 self._claims = claims
             return self._run(call, vote)
+
+    def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+        """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
+
+        The read-only alternative to ``unscale_and_check`` for the fused
+        optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
+        their update from the returned record. With CuPy arrays: one fused
+        kernel launch per dtype, one small launch that sums the blocks' partial
+        sums in a fixed order and computes, on the device, the L2 norm of the
+        unscaled gradients and ``min(1, max_norm / (norm + 1e-6))``; then one
+        synchronizing read of the overflow flag, as ``unscale_and_check`` does.
+        ``norm`` and ``clip_coefficient`` stay on the device (reading one
+        waits); ``finite`` is a host bool array. It must be the step's only
+        gradient call, on one device; bfloat16 gradients are accepted. Disabled:
+        the statistics are computed with no scale (inverse 1) and nothing is recorded.
+
+        Raises:
+            ConfigError: ``max_norm`` is not None or a positive float32 number; or the
+                scaler has a communicator (not supported by ``check`` yet).
+            ScalerProtocolError: Gradients were already checked or unscaled in this step.
+            GradientValueError: Gradients on several devices.
+            As ``unscale_and_check`` for other bad gradients.
+        """
+        limit = expect_max_norm(max_norm)
+        with self._order:
+            refuse_second_check(self._order.phase == CHECKED, self._vote is not None)
+            call = parse_gradients(gradients, self._cache, in_place=False)
+            if len({footprint.device for footprint in call.footprints}) > 1:
+                raise GradientValueError(
+                    "check() takes the gradients of one device (its norm is summed on that device); got devices "
+                    f"{sorted({footprint.device for footprint in call.footprints})}. Use one scaler per device."
+                )
+            inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
+            if self._enabled:
+                self._begin_checks()
+                self._claims = StepClaims()
+                self._checked_read_only = True
+            else:
+                self._order.phase = CHECKED
+            stats = self._stats_for(call)
+            try:
+                if call.backend is None or call.backend is numpy_backend:
+                    culprits = host_stats(stats.record, call.arrays, inverse, limit)
+                else:
+                    culprits = call.backend.check(call.plan, stats, inverse, limit)[1]
+            except BaseException:
+                if self._enabled:
+                    self._record_failure(call.labels)
+                raise
+            if self._enabled:
+                self._records.append(_Record(call.labels, culprits))
+                self._found_overflow = self._found_overflow_local = bool(culprits)
+            stats.result.finite[()] = not culprits
+            return stats.result  # type: ignore[no-any-return]
+
+    def _stats_for(self, call: Call) -> Any:
+        """Return this scaler's statistics record for a call's device, made on first use."""
+        device = call.footprints[0].device if call.footprints else -1
+        stats = self._stats.get(device)
+        if stats is None:
+            finite = np.ones((), dtype=np.bool_)
+            backend = call.backend if call.backend is not None else numpy_backend
+            stats = backend.HostStats(finite) if device < 0 else backend.DeviceStats(device, finite)
+            self._stats[device] = stats
+        return stats
 
     def _begin_checks(self) -> None:
         self._order.phase = CHECKED
@@ -308,6 +378,7 @@ class GradScaler:
             self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
             self._order.phase = IDLE
             self._claims = None
+            self._checked_read_only = False
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed.

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import threading
 
-from cupy_amp.errors import ScalerProtocolError
+from cupy_amp.errors import ConfigError, ScalerProtocolError
 
-__all__ = ["CHECKED", "IDLE", "SCALED", "StepOrder"]
+__all__ = ["CHECKED", "IDLE", "SCALED", "StepOrder", "refuse_after_check", "refuse_second_check"]
 
 # Where a step stands: no step open; the loss was scaled; gradients were unscaled (update() is next).
 IDLE, SCALED, CHECKED = "idle", "scaled", "checked"
@@ -84,3 +84,29 @@ class StepOrder:
                 f"{what} in the middle of a step ({done} was called and update() was not yet): the step's loss "
                 f"and gradients use the current scale. Call it before scale_loss() or after update()."
             )
+
+
+def refuse_second_check(gradients_seen: bool, voting: bool) -> None:
+    """Refuse ``check()`` when the step's gradients were already checked or unscaled, or with a communicator.
+
+    The norm covers the gradients of one call, so ``check()`` is a step's only gradient call.
+    """
+    if voting:
+        raise ConfigError(
+            "check() does not support a communicator yet (its norm and verdict would cover this rank only); use "
+            "unscale_and_check() with a communicator."
+        )
+    if gradients_seen:
+        raise ScalerProtocolError(
+            "check() was called after this step's gradients were already checked or unscaled: check() reads all "
+            "of a step's gradients in one call (its norm covers them all), and is the step's only gradient call."
+        )
+
+
+def refuse_after_check(checked_read_only: bool) -> None:
+    """Refuse ``unscale_and_check()`` in a step whose gradients went through ``check()``."""
+    if checked_read_only:
+        raise ScalerProtocolError(
+            "unscale_and_check() was called after check() in the same step: check() already read this step's "
+            "gradients (the fused optimizers unscale them); call update() to end the step."
+        )

@@ -23,7 +23,8 @@ from cupy_amp.errors import (
 from cupy_amp.gradients import Call, CallCache, GradientSet, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
 from cupy_amp.scaler import GradScalerStats
-from cupy_amp.step_order import CHECKED, IDLE, StepOrder
+from cupy_amp.statistics import GradientStats, expect_max_norm
+from cupy_amp.step_order import CHECKED, IDLE, StepOrder, refuse_after_check, refuse_second_check
 
 __all__ = ["SyncFreeGradScaler"]
 
@@ -87,6 +88,7 @@ class SyncFreeGradScaler:
         self._records: list[_Record] = []
         self._cache = CallCache()
         self._bad_votes_reported = 0
+        self._checked_read_only = False  # this step's gradients went through check(), not unscale_and_check()
 
     @property
     def config(self) -> ScalerConfig:
@@ -186,6 +188,7 @@ class SyncFreeGradScaler:
             gradients not yet prepared while a CUDA graph is being captured.
         """
         with self._order:
+            refuse_after_check(self._checked_read_only)
             vote = self._vote
             try:
                 call = parse_gradients(gradients, self._cache, one_device=True)
@@ -200,6 +203,39 @@ class SyncFreeGradScaler:
                     self._fail_call(None, vote, error)
                 raise
             return self._run(state, call, claims, vote)
+
+    def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+        """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
+
+        The read-only alternative to ``unscale_and_check`` for the fused
+        optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
+        their update from the returned record. One fused kernel launch per
+        dtype, then one small launch that sums the blocks' partial sums in a
+        fixed order and computes the L2 norm of the unscaled gradients and
+        ``min(1, max_norm / (norm + 1e-6))`` on the device. Never synchronizes;
+        the returned arrays live in the scaler's record (reading one waits).
+        It must be the step's only gradient call; bfloat16 gradients are accepted.
+
+        Raises:
+            ConfigError: ``max_norm`` is not None or a positive float32 number; or the
+                scaler has a communicator (not supported by ``check`` yet).
+            ScalerProtocolError: Gradients were already checked or unscaled in this step.
+            As ``unscale_and_check`` for bad gradients.
+        """
+        limit = expect_max_norm(max_norm)
+        with self._order:
+            refuse_second_check(self._claims is not None, self._vote is not None)
+            call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
+            state = self._state if call.backend is None else self._state_for(call.backend, call.footprints[0].device)
+            self._open_checks(StepClaims())
+            self._checked_read_only = True
+            try:
+                culprits = state.check(call, limit)
+            except BaseException as error:
+                self._fail_call(call, None, error)
+                raise
+            self._records.append(_Record(call, culprits))
+            return state.stats.result  # type: ignore[no-any-return]
 
     def _open_checks(self, claims: StepClaims) -> None:
         """Begin the checks of a step: the host's bookkeeping first, then the state's flags."""
@@ -267,6 +303,7 @@ class SyncFreeGradScaler:
             self._state.update()
             self._order.phase = IDLE
             self._claims = None
+            self._checked_read_only = False
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed (synchronizes)."""

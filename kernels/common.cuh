@@ -91,6 +91,98 @@ struct StateArgs {
     u64 state;  // State*
 };
 
+// One step's read-only statistics of the gradients (cupy_amp.statistics): the optimizers read `factor`
+// and `skip` from here, so neither the scale nor the verdict passes through the host.
+struct Stats {
+    double sum_of_squares;   // of this rank's gradients as given (still scaled), in float64
+    float norm;              // the unscaled gradients' L2 norm: float32(sqrt(sum_of_squares) * inv_scale)
+    float clip_coefficient;  // min(1, max_norm / (norm + 1e-6)), or 1 without clipping
+    float factor;            // inv_scale * clip_coefficient: what the optimizers multiply gradients by
+    int found;               // 1 once this rank's gradients of the step held inf/nan
+    int skip;                // 1: the step overflowed (here, or on another rank); the optimizers do nothing
+};
+
+struct StatsArgs {
+    u64 chunks;  // const Chunk[chunk_count], as for UnscaleArgs
+    u64 layouts;
+    long long chunk_count;
+    u64 partials;  // double per block: each block's sum of squares
+    u64 found;     // int, set to 1 if any element was inf/nan
+    u64 finite;    // 0, or an unsigned char set to 0 if any element was inf/nan
+    u64 tensor_found;
+    u64 state;  // 0, or a State: the epoch is read from it instead
+    u64 epoch;
+};
+
+struct FinishArgs {
+    u64 stats;     // Stats*
+    u64 partials;  // const double[partial_count]: summed in index order, then zeroed for the next step
+    long long partial_count;
+    u64 state;        // 0, or a State: the scale and the verdict are read from it
+    float inv_scale;  // without a State
+    float max_norm;   // <= 0: no clipping
+};
+
+// The fused optimizers' work (cupy_amp.optim): one chunk of one parameter; each address points at the
+// chunk's first element.
+struct ParamChunk {
+    u64 grad;
+    u64 param;
+    u64 master;         // float32 master weights; 0 when the parameter is float32 (updated in place)
+    u64 first_moment;   // AdamW: exp_avg; SGD: the momentum buffer (0 without momentum)
+    u64 second_moment;  // AdamW: exp_avg_sq; SGD: 0
+    long long count;    // elements
+};
+
+struct OptimizerArgs {
+    u64 chunks;  // const ParamChunk[chunk_count]
+    long long chunk_count;
+    u64 hyper;  // AdamWState or SgdState: the hyperparameters and this step's constants
+};
+
+struct BeginArgs {
+    u64 hyper;  // AdamWState or SgdState
+    u64 stats;  // 0 (no scaler: factor 1, never skip), or the step's Stats
+};
+
+// An optimizer's device-resident state besides its buffers. The host writes the hyperparameters; the
+// begin kernel derives the step's float32 constants (cupy_amp.optim.reference computes the same bits).
+struct AdamWState {
+    u64 step;  // updates applied; a skipped step leaves it unchanged
+    double lr;
+    double beta1;
+    double beta2;
+    double eps;
+    double weight_decay;
+    double beta1_power;  // beta1 ** step, as one product per applied update
+    double beta2_power;
+    float factor;  // the step's gradient factor (inv_scale * clip_coefficient)
+    float decay;   // 1 - lr * weight_decay
+    float neg_step_size;
+    float bias_correction2_sqrt;
+    float lerp_weight;  // 1 - beta1
+    float beta2_f;
+    float one_minus_beta2;
+    float eps_f;
+    int skip;
+};
+
+struct SgdState {
+    u64 step;
+    double lr;
+    double momentum;
+    double dampening;
+    double weight_decay;
+    float factor;
+    float neg_lr;
+    float momentum_f;
+    float one_minus_dampening;
+    float weight_decay_f;
+    int nesterov;
+    int first;  // this update is the first applied one: the momentum buffer starts as the gradient
+    int skip;
+};
+
 // float32 <-> float64 conversions and the inverse scale, in explicit PTX without .ftz: the scale may be
 // a float32 subnormal (down to 2**-128), which -ftz=true would flush to zero.
 __device__ __forceinline__ double widen(float f) {
@@ -116,6 +208,47 @@ __device__ __forceinline__ float mul_f32(float a, float b) {
     return r;
 }
 
+__device__ __forceinline__ float add_f32(float a, float b) {
+    float r;
+    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float sub_f32(float a, float b) {
+    float r;
+    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float div_f32(float a, float b) {
+    float r;
+    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+__device__ __forceinline__ float fma_f32(float a, float b, float c) {
+    float r;
+    asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+    return r;
+}
+
+__device__ __forceinline__ float sqrt_f32(float a) {
+    float r;
+    asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+    return r;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float((u32)h << 16);
+}
+
+// Round to nearest even, as ml_dtypes does; a NaN stays a (quiet) NaN of the same sign.
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
     asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
@@ -133,6 +266,7 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
 // can come out and the NaN rules above need not be checked.
 struct Half {
     typedef u16 bits;
+    static __device__ __forceinline__ double value(bits x) { return widen(f16_to_f32(x)); }
     static __device__ __forceinline__ bool word_nonfinite(u32 w) {
         return ((w & 0x7c00u) == 0x7c00u) | ((w & 0x7c000000u) == 0x7c000000u);
     }
@@ -167,6 +301,7 @@ struct Half {
 
 struct Single {
     typedef u32 bits;
+    static __device__ __forceinline__ double value(bits x) { return widen(__uint_as_float(x)); }
     static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
         return nonfinite(v.x) | nonfinite(v.y) | nonfinite(v.z) | nonfinite(v.w);
     }
@@ -190,6 +325,7 @@ struct Single {
 
 struct Double {
     typedef u64 bits;
+    static __device__ __forceinline__ double value(bits x) { return __longlong_as_double((long long)x); }
     static __device__ __forceinline__ u64 join(u32 low, u32 high) { return (u64)low | ((u64)high << 32); }
     static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
         return nonfinite(join(v.x, v.y)) | nonfinite(join(v.z, v.w));
@@ -213,6 +349,42 @@ struct Double {
         return r;
     }
 };
+
+// bfloat16 is only read (statistics, optimizers), never unscaled in place.
+struct Bfloat {
+    typedef u16 bits;
+    static __device__ __forceinline__ double value(bits x) { return widen(bf16_to_f32(x)); }
+    static __device__ __forceinline__ bool word_nonfinite(u32 w) {
+        return ((w & 0x7f80u) == 0x7f80u) | ((w & 0x7f800000u) == 0x7f800000u);
+    }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
+        return word_nonfinite(v.x) | word_nonfinite(v.y) | word_nonfinite(v.z) | word_nonfinite(v.w);
+    }
+    static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7f80u) == 0x7f80u; }
+};
+
+// The offset (in elements) of element `i` (counted in C order) of a strided layout: ndim, extents, strides.
+__device__ __forceinline__ long long strided_offset(const long long* staged, long long i) {
+    const int ndim = (int)staged[0];
+    const long long* extents = staged + 1;
+    const long long* strides = staged + 1 + ndim;
+    long long offset = 0;
+    for (int dim = ndim - 1; dim >= 0; --dim) {
+        offset += (i % extents[dim]) * strides[dim];
+        i /= extents[dim];
+    }
+    return offset;
+}
+
+// Stage a strided layout in shared memory; must be reached by every thread of the block.
+__device__ __forceinline__ const long long* stage_layout(const long long* layout) {
+    __shared__ long long staged[1 + 2 * kMaxNdim];
+    __syncthreads();  // the previous chunk may still be reading `staged`
+    const int words = 1 + 2 * (int)layout[0];
+    for (int k = threadIdx.x; k < words; k += blockDim.x) staged[k] = layout[k];
+    __syncthreads();
+    return staged;
+}
 
 // Check then multiply one element in place; returns true if it was inf/nan.
 template <class Type>
@@ -284,18 +456,9 @@ template <class Type>
 __device__ bool apply_strided(u64 base, const long long* staged, long long first, long long last, float factor) {
     typedef typename Type::bits bits;
     bits* origin = reinterpret_cast<bits*>(base);
-    const int ndim = (int)staged[0];
-    const long long* extents = staged + 1;
-    const long long* strides = staged + 1 + ndim;
     bool bad = false;
     for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
-        long long rest = i;
-        long long offset = 0;
-        for (int dim = ndim - 1; dim >= 0; --dim) {
-            offset += (rest % extents[dim]) * strides[dim];
-            rest /= extents[dim];
-        }
-        bad |= apply<Type>(origin + offset, factor);
+        bad |= apply<Type>(origin + strided_offset(staged, i), factor);
     }
     return bad;
 }
@@ -304,13 +467,23 @@ __device__ bool apply_strided(u64 base, const long long* staged, long long first
 // thread of the block (it synchronizes to stage a strided layout in shared memory).
 template <class Type>
 __device__ bool apply_range(u64 base, const long long* layout, long long first, long long last, float factor) {
-    __shared__ long long staged[1 + 2 * kMaxNdim];
     if (layout == nullptr) return apply_dense<Type>(base, first, last, factor);
-    __syncthreads();  // the previous chunk may still be reading `staged`
-    const int words = 1 + 2 * (int)layout[0];
-    for (int k = threadIdx.x; k < words; k += blockDim.x) staged[k] = layout[k];
+    return apply_strided<Type>(base, stage_layout(layout), first, last, factor);
+}
+
+// The sum of `x` over the block, in a fixed order (the same bits every run); valid in thread 0.
+// Must be reached by every thread, at most once per kernel.
+__device__ __forceinline__ double block_sum(double x) {
+    __shared__ double warp_sums[CUPY_AMP_THREADS / 32];
+    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    for (int offset = 16; offset > 0; offset /= 2) x = __dadd_rn(x, __shfl_down_sync(0xffffffffu, x, offset));
+    if (lane == 0) warp_sums[warp] = x;
     __syncthreads();
-    return apply_strided<Type>(base, staged, first, last, factor);
+    if (warp == 0) {
+        x = lane < (int)(blockDim.x / 32) ? warp_sums[lane] : 0.0;
+        for (int offset = 16; offset > 0; offset /= 2) x = __dadd_rn(x, __shfl_down_sync(0xffffffffu, x, offset));
+    }
+    return x;
 }
 
 }  // namespace cupy_amp

@@ -1,0 +1,498 @@
+"""AdamW and SGD, fused: one pass that unscales, clips, skips and updates, without writing the gradients.
+
+Each optimizer owns its float32 state: master weights for float16/bfloat16
+parameters (written back rounded in the same pass), moments, and a small
+record (hyperparameters, step counter, this step's constants) that lives on the
+device for CuPy parameters. ``step(gradients, stats)`` reads the gradient
+factor (``inv_scale * clip_coefficient``) and the skip flag from the record a
+scaler's ``check()`` returned, so a step needs no value from the host: it can
+run ahead of the GPU and be captured in a CUDA graph. On the host (NumPy) the
+same operations run in :mod:`cupy_amp.optim.reference`, bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import sys
+import threading
+import zlib
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
+
+import msgpack
+import numpy as np
+
+from cupy_amp._fileio import read_regular_file, write_file_atomic
+from cupy_amp.dtypes import dtype_name
+from cupy_amp.errors import (
+    ArgumentTypeError,
+    CheckpointCorruptError,
+    CheckpointFieldError,
+    ConfigError,
+    GradientTypeError,
+    GradientValueError,
+)
+from cupy_amp.optim import reference
+from cupy_amp.statistics import GradientStats
+
+__all__ = ["SGD", "AdamW"]
+
+STATE_FORMAT = "cupy-amp.optimizer"
+STATE_VERSION = 1
+_PARAM_DTYPES = ("float16", "bfloat16", "float32")
+
+
+def _number(name: str, value: object, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
+    ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
+    number = float(value) if ok else math.nan  # type: ignore[arg-type]
+    if not (math.isfinite(number) and low <= number and (number < high if high_open else number <= high)):
+        bound = f"< {high}" if high_open else (f"<= {high}" if math.isfinite(high) else "finite")
+        raise ConfigError(f"Invalid {name!r}: expected a number >= {low} and {bound}, got {value!r}.")
+    return number
+
+
+class _FusedOptimizer:
+    """What AdamW and SGD share: parameters, buffers, the record, tables, the step and state files."""
+
+    _rule: ClassVar[str]
+    _record_dtype: ClassVar[np.dtype[Any]]
+    _moments: ClassVar[tuple[str, ...]]
+    _hyperparameters: ClassVar[tuple[str, ...]]
+
+    def __init__(self, params: Iterable[Any], hyperparameters: dict[str, float]) -> None:
+        self._params = list(params)
+        if not self._params:
+            raise ArgumentTypeError(f"{type(self).__name__} expected a non-empty list of parameters, got none.")
+        self._xp, self._device = self._expect_params(self._params)
+        xp = self._xp
+        self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
+        self._buffers = {
+            name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
+            for name in self._moments
+        }
+        self._lock = threading.Lock()
+        self._record = np.zeros((), dtype=self._record_dtype)  # the host's copy (the NumPy path's only one)
+        for name, value in hyperparameters.items():
+            self._record[name] = value
+        self._init_powers()
+        self._device_record: Any = None
+        self._tables: Any = None
+        self._table_key: tuple[int, ...] | None = None
+        if self._device >= 0:
+            from cupy_amp import cupy_backend
+
+            self._backend = cupy_backend
+            cupy_backend.load_optimizer(self._rule, self._device)
+            with xp.cuda.Device(self._device):
+                self._device_record = xp.zeros(self._record_dtype.itemsize, dtype=np.uint8)
+            self._push_record()
+
+    def _init_powers(self) -> None:
+        """Set the fields a fresh optimizer starts from (the step counter is already 0)."""
+
+    def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
+        """Open a step on the host record (the reference's begin function)."""
+        raise NotImplementedError
+
+    def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
+        """Apply an opened step to one parameter's float32 weights and moments (the reference's update)."""
+        raise NotImplementedError
+
+    def _has(self, buffer: str) -> bool:
+        return True
+
+    @staticmethod
+    def _expect_params(params: list[Any]) -> tuple[Any, int]:
+        """Return (array module, device: -1 for the host) of valid parameters.
+
+        Raises:
+            GradientTypeError: Not NumPy/CuPy float16/bfloat16/float32 arrays of one kind.
+            GradientValueError: Read-only, not C-contiguous, misaligned, on several devices, or sharing memory.
+        """
+        kinds = set()
+        cupy = sys.modules.get("cupy")
+        for index, p in enumerate(params):
+            module = "numpy" if isinstance(p, np.ndarray) else "cupy" if cupy and isinstance(p, cupy.ndarray) else None
+            if module is None:
+                raise GradientTypeError(f"params[{index}]: expected a NumPy or CuPy array, got {type(p).__name__}.")
+            if dtype_name(p.dtype) not in _PARAM_DTYPES:
+                raise GradientTypeError(
+                    f"params[{index}]: dtype {p.dtype} is not supported (expected float16, bfloat16 or float32)."
+                )
+            if not p.flags.c_contiguous or (module == "numpy" and not (p.flags.writeable and p.flags.aligned)):
+                raise GradientValueError(f"params[{index}]: must be a writable, aligned, C-contiguous array.")
+            kinds.add(module)
+        if len(kinds) > 1:
+            raise GradientTypeError("params mix NumPy and CuPy arrays; pass arrays of one kind.")
+        if kinds == {"numpy"}:
+            xp, devices = np, {-1}
+        else:
+            xp = sys.modules["cupy"]
+            devices = {p.data.device_id for p in params}
+        if len(devices) > 1:
+            raise GradientValueError(f"params are on several devices {sorted(devices)}; use one optimizer per device.")
+        _refuse_overlap([(_address(p), p.nbytes, f"params[{i}]") for i, p in enumerate(params)])
+        return xp, devices.pop()
+
+    # Hyperparameters: the host copy and the device record agree after every change.
+
+    def _push_record(self) -> None:
+        """Copy the host record to the device (stream-ordered: steps queued before keep the old values)."""
+        if self._device_record is not None:
+            with self._xp.cuda.Device(self._device):
+                self._device_record.set(np.frombuffer(self._record.tobytes(), dtype=np.uint8))
+
+    def _pull_record(self) -> np.ndarray:
+        """Return the current record (synchronizes on the GPU: the device owns the counters)."""
+        if self._device_record is None:
+            return self._record
+        with self._xp.cuda.Device(self._device):
+            return np.frombuffer(self._device_record.get().tobytes(), dtype=self._record_dtype).reshape(())
+
+    @property
+    def lr(self) -> float:
+        """The learning rate (never synchronizes). Setting it takes effect from the next step, also in CUDA graphs."""
+        return float(self._record["lr"])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        lr = _number("lr", value, 0.0)
+        with self._lock:
+            self._record["lr"] = lr
+            if self._device_record is not None:
+                offset = self._record_dtype.fields["lr"][1]  # type: ignore[index]
+                with self._xp.cuda.Device(self._device):
+                    self._device_record[offset : offset + 8].set(np.array([lr], dtype="<f8").view(np.uint8))
+
+    @property
+    def step_count(self) -> int:
+        """Updates applied so far; skipped steps do not count (synchronizes on the GPU)."""
+        return int(self._pull_record()["step"])
+
+    @property
+    def params(self) -> list[Any]:
+        """The parameters, in the order given."""
+        return list(self._params)
+
+    # The step.
+
+    def step(self, gradients: Sequence[Any], stats: GradientStats | None = None) -> None:
+        """Update every parameter from its gradient; do nothing at all if ``stats`` says the step overflowed.
+
+        Each gradient is multiplied by ``stats``' factor (inverse scale times clip
+        coefficient) inside the update and is only read. Without ``stats``, the
+        factor is 1 and no step is skipped. With CuPy arrays: a one-thread launch,
+        then one launch per dtype, on the current stream; never synchronizes
+        (the first step with new gradient buffers builds device tables and
+        waits for their copy; in a CUDA graph capture, pass the same buffers as
+        before the capture).
+
+        Raises:
+            ArgumentTypeError: ``gradients`` does not match the parameters, or
+                ``stats`` is not the GradientStats of a check() on the same kind of array.
+            GradientTypeError, GradientValueError: A gradient of another shape,
+                dtype, device or layout than its parameter, or sharing memory with the optimizer's state.
+        """
+        grads = list(gradients)
+        source = self._expect_stats(stats)
+        with self._lock:
+            self._expect_gradients(grads)
+            if self._device_record is None:
+                self._host_step(grads, source)
+            else:
+                tables = self._tables_for(grads)
+                self._backend.optimizer_step(
+                    self._rule, self._device, tables, int(self._device_record.data.ptr), source or 0
+                )
+
+    def _expect_stats(self, stats: GradientStats | None) -> Any:
+        if stats is None:
+            return None
+        if not isinstance(stats, GradientStats):
+            raise ArgumentTypeError(
+                f"stats: expected the GradientStats of a scaler's check(), got {type(stats).__name__}."
+            )
+        on_host = isinstance(stats.source, np.ndarray)
+        if on_host != (self._device_record is None):
+            where = "NumPy" if self._device_record is None else "CuPy"
+            raise ArgumentTypeError(
+                f"stats: this optimizer's parameters are {where} arrays; check() ran on the other kind."
+            )
+        return stats.source
+
+    def _expect_gradients(self, grads: list[Any]) -> None:
+        if len(grads) != len(self._params):
+            raise ArgumentTypeError(f"Expected {len(self._params)} gradients (one per parameter), got {len(grads)}.")
+        for index, (g, p) in enumerate(zip(grads, self._params)):
+            if type(g) is not type(p):
+                raise GradientTypeError(f"gradients[{index}]: expected a {type(p).__name__}, got {type(g).__name__}.")
+            if g.dtype != p.dtype or g.shape != p.shape:
+                raise GradientTypeError(
+                    f"gradients[{index}]: expected {p.dtype} of shape {p.shape} (its parameter's), got {g.dtype} of "
+                    f"shape {g.shape}."
+                )
+            if not g.flags.c_contiguous or (self._device >= 0 and g.data.device_id != self._device):
+                raise GradientValueError(f"gradients[{index}]: must be C-contiguous and on the parameters' device.")
+
+    def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
+        skip = bool(source["skip"]) if source is not None else False
+        factor = np.float32(source["factor"]) if source is not None else np.float32(1.0)
+        self._refuse_shared(grads)
+        self._begin(self._record, skip, factor)
+        if skip:
+            return
+        for index, (g, p) in enumerate(zip(grads, self._params)):
+            master = self._masters[index]
+            weights = p if master is None else master
+            self._update(self._record, g, weights, *(self._buffers[name][index] for name in self._moments))
+            if master is not None:
+                p[...] = master.astype(p.dtype)
+
+    def _tables_for(self, grads: list[Any]) -> Any:
+        """Return the device tables for these gradient buffers, built when their addresses change."""
+        key = tuple(int(g.data.ptr) for g in grads)
+        if key != self._table_key:
+            self._refuse_shared(grads)
+            groups: dict[str, list[tuple[int, ...]]] = {}
+            counts: dict[str, list[int]] = {}
+            for index, (g, p) in enumerate(zip(grads, self._params)):
+                name = str(dtype_name(p.dtype))  # one of _PARAM_DTYPES: checked at construction
+                master = self._masters[index]
+                moments = [self._buffers[m][index] for m in self._moments] + [None] * (2 - len(self._moments))
+                buffers = (master, *moments)
+                addresses = (int(g.data.ptr), int(p.data.ptr), *(0 if b is None else int(b.data.ptr) for b in buffers))
+                groups.setdefault(name, []).append(addresses)
+                counts.setdefault(name, []).append(p.size)
+            with self._xp.cuda.Device(self._device):
+                self._tables = self._backend.param_tables(self._rule, groups, counts)
+            self._table_key = key
+        return self._tables
+
+    def _refuse_shared(self, grads: list[Any]) -> None:
+        """Raise if a gradient shares memory with another or with anything the step writes."""
+        ranges = [(_address(g), g.nbytes, f"gradients[{i}]") for i, g in enumerate(grads)]
+        ranges += [(_address(p), p.nbytes, f"params[{i}]") for i, p in enumerate(self._params)]
+        for buffers in (self._masters, *self._buffers.values()):
+            ranges += [(_address(b), b.nbytes, "the optimizer's state") for b in buffers if b is not None]
+        _refuse_overlap(ranges)
+
+    # State files.
+
+    def state_dict(self) -> dict[str, Any]:
+        """Return the whole state (hyperparameters, counters, float32 buffers as bytes); synchronizes on the GPU."""
+        with self._lock:
+            record = self._pull_record()
+            buffers = {"master": self._masters, **self._buffers}
+            return {
+                "format": STATE_FORMAT,
+                "version": STATE_VERSION,
+                "kind": self._rule,
+                "record": {name: record[name].item() for name in self._record_dtype.names or ()},
+                "buffers": {
+                    name: [None if b is None else _host_bytes(b) for b in arrays] for name, arrays in buffers.items()
+                },
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the whole state with one from :meth:`state_dict` of an optimizer like this one (synchronizes).
+
+        Everything is checked before anything changes.
+
+        Raises:
+            CheckpointFieldError: A field is missing, unknown, or does not fit these parameters.
+        """
+        record, buffers = self._validated(state)
+        with self._lock:
+            for name, arrays in buffers.items():
+                targets = self._masters if name == "master" else self._buffers[name]
+                for target, data in zip(targets, arrays):
+                    if target is not None:
+                        target[...] = self._xp.asarray(np.frombuffer(data, dtype=np.float32).reshape(target.shape))
+            for index, master in enumerate(self._masters):
+                if master is not None:
+                    self._params[index][...] = master.astype(self._params[index].dtype)
+            self._record = record
+            self._push_record()
+
+    def _validated(self, state: Any) -> tuple[np.ndarray, dict[str, list[bytes]]]:
+        def bad(what: str) -> CheckpointFieldError:
+            return CheckpointFieldError(f"Invalid optimizer state: {what}.")
+
+        if not isinstance(state, dict) or set(state) != {"format", "version", "kind", "record", "buffers"}:
+            raise bad("expected a dict with keys format, version, kind, record, buffers")
+        if state["format"] != STATE_FORMAT or state["version"] != STATE_VERSION:
+            got = f"{state['format']!r} version {state['version']!r}"
+            raise bad(f"expected format {STATE_FORMAT!r} version {STATE_VERSION}, got {got}")
+        if state["kind"] != self._rule:
+            raise bad(f"it is the state of a {state['kind']!r} optimizer, not {self._rule!r}")
+        fields = state["record"]
+        names = self._record_dtype.names or ()
+        if not isinstance(fields, dict) or set(fields) != set(names):
+            raise bad(f"'record' must have exactly the fields {', '.join(names)}")
+        record = np.zeros((), dtype=self._record_dtype)
+        for name in names:
+            value = fields[name]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise bad(f"record field {name!r} must be a number, got {value!r}")
+            if isinstance(value, float) and not math.isfinite(value):
+                raise bad(f"record field {name!r} must be finite, got {value!r}")
+            if name == "step" and not (isinstance(value, int) and 0 <= value < 2**64):
+                raise bad(f"'step' must be an int >= 0, got {value!r}")
+            record[name] = value
+        for name in self._hyperparameters:
+            if record[name] != self._record[name]:
+                raise bad(f"hyperparameter {name!r} is {record[name]!r} there and {self._record[name]!r} here")
+        buffers = state["buffers"]
+        expected = {"master": self._masters, **self._buffers}
+        if not isinstance(buffers, dict) or set(buffers) != set(expected):
+            raise bad(f"'buffers' must have exactly {', '.join(expected)}")
+        for name, arrays in expected.items():
+            given = buffers[name]
+            if not isinstance(given, list) or len(given) != len(arrays):
+                raise bad(f"buffer {name!r} must list {len(arrays)} entries")
+            for index, (data, target) in enumerate(zip(given, arrays)):
+                size = None if target is None else target.nbytes
+                if (data is None) != (size is None) or (
+                    data is not None and (not isinstance(data, bytes) or len(data) != size)
+                ):
+                    raise bad(f"buffer {name!r}[{index}] must be {size} bytes (float32 of its parameter's shape)")
+        return record, buffers
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state_dict` to ``path`` atomically (msgpack with a CRC-32), as scaler checkpoints are."""
+        body: bytes = msgpack.packb(self.state_dict(), use_bin_type=True, use_single_float=False)
+        write_file_atomic(path, body + zlib.crc32(body).to_bytes(4, "big"))
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Read a file written by :meth:`save` into this optimizer; nothing changes unless it is intact and fits.
+
+        Raises:
+            CheckpointCorruptError: Not a regular file, too large for these parameters, or not intact.
+            CheckpointFieldError: Intact, but not the state of an optimizer like this one.
+        """
+        buffers = sum(4 * p.size for p in self._params) * (1 + len(self._moments))
+        data = read_regular_file(path, buffers + (1 << 16) + 64 * len(self._params), CheckpointCorruptError)
+        body, crc = data[:-4], data[-4:]
+        if len(data) < 4 or zlib.crc32(body).to_bytes(4, "big") != crc:
+            raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an intact optimizer state (CRC-32 mismatch).")
+        try:
+            state = msgpack.unpackb(body, raw=False, strict_map_key=True)
+        except Exception as error:  # msgpack raises several unrelated types for malformed input
+            raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an optimizer state ({error}).") from None
+        self.load_state_dict(state)
+
+
+class AdamW(_FusedOptimizer):
+    """AdamW (decoupled weight decay, bias correction), fused; the update of ``torch.optim.AdamW``.
+
+    Args:
+        params: NumPy or CuPy arrays (float16, bfloat16 or float32, C-contiguous, one
+            device). float16/bfloat16 parameters get float32 master weights.
+        lr, betas, eps, weight_decay: As for ``torch.optim.AdamW`` (same defaults).
+
+    Raises:
+        ConfigError: A hyperparameter out of range (the message names it).
+    """
+
+    _rule = "adamw"
+    _record_dtype = reference.ADAMW_STATE
+    _moments = ("exp_avg", "exp_avg_sq")
+    _hyperparameters = ("beta1", "beta2", "eps", "weight_decay")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+    ) -> None:
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ConfigError(f"Invalid 'betas': expected two numbers, got {betas!r}.")
+        super().__init__(
+            params,
+            {
+                "lr": _number("lr", lr, 0.0),
+                "beta1": _number("betas[0]", betas[0], 0.0, 1.0, high_open=True),
+                "beta2": _number("betas[1]", betas[1], 0.0, 1.0, high_open=True),
+                "eps": _number("eps", eps, 0.0),
+                "weight_decay": _number("weight_decay", weight_decay, 0.0),
+            },
+        )
+
+    def _init_powers(self) -> None:
+        self._record["beta1_power"] = self._record["beta2_power"] = 1.0
+
+    def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
+        reference.begin_adamw(record, skip, factor)
+
+    def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
+        reference.adamw_update(record, grad, weights, *moments)
+
+
+class SGD(_FusedOptimizer):
+    """SGD with momentum, dampening, Nesterov and weight decay, fused; the update of ``torch.optim.SGD``.
+
+    Args:
+        params: As for :class:`AdamW`.
+        lr, momentum, dampening, weight_decay, nesterov: As for ``torch.optim.SGD``
+            (Nesterov needs momentum > 0 and no dampening).
+
+    Raises:
+        ConfigError: A hyperparameter out of range (the message names it).
+    """
+
+    _rule = "sgd"
+    _record_dtype = reference.SGD_STATE
+    _moments = ("momentum_buffer",)
+    _hyperparameters = ("momentum", "dampening", "weight_decay", "nesterov")
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+    ) -> None:
+        if not isinstance(nesterov, (bool, np.bool_)):
+            raise ConfigError(f"Invalid 'nesterov': expected a bool, got {nesterov!r}.")
+        hyper = {
+            "lr": _number("lr", lr, 0.0),
+            "momentum": _number("momentum", momentum, 0.0),
+            "dampening": _number("dampening", dampening, 0.0, 1.0),
+            "weight_decay": _number("weight_decay", weight_decay, 0.0),
+            "nesterov": float(bool(nesterov)),
+        }
+        if nesterov and (hyper["momentum"] == 0.0 or hyper["dampening"] != 0.0):
+            raise ConfigError("Invalid 'nesterov': Nesterov momentum needs momentum > 0 and dampening 0.")
+        self._with_momentum = hyper["momentum"] != 0.0
+        super().__init__(params, hyper)
+
+    def _has(self, buffer: str) -> bool:
+        return self._with_momentum
+
+    def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
+        reference.begin_sgd(record, skip, factor)
+
+    def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
+        reference.sgd_update(record, grad, weights, *moments)
+
+
+def _address(array: Any) -> int:
+    return int(array.__array_interface__["data"][0]) if isinstance(array, np.ndarray) else int(array.data.ptr)
+
+
+def _host_bytes(array: Any) -> bytes:
+    return (array if isinstance(array, np.ndarray) else array.get()).tobytes()
+
+
+def _refuse_overlap(ranges: list[tuple[int, int, str]]) -> None:
+    """Raise if two of the (address, bytes, name) ranges overlap."""
+    ordered = sorted((start, start + size, name) for start, size, name in ranges if size)
+    for (_, end, name), (start, _, other) in itertools.pairwise(ordered):
+        if start < end:
+            raise GradientValueError(f"{name} and {other} share memory; each must have its own.")

@@ -1,0 +1,109 @@
+"""The read-only statistics pass: its device record, its result, and its NumPy reference.
+
+``check(gradients, max_norm=...)`` on either scaler reads every gradient once,
+without writing it, and yields the step's overflow verdict, which gradients
+held inf/nan, and the global L2 norm of the *unscaled* gradients, with the clip
+coefficient ``min(1, max_norm / (norm + 1e-6))``. The squares are summed in
+float64 (no finite float16/float32 gradient can overflow the sum). On the GPU
+the sum is reduced in a fixed order (the same bits on every run); on the host
+NumPy sums it (within the last bit of float32 of the GPU's norm). The
+optimizers of :mod:`cupy_amp.optim` read the factor ``inv_scale *
+clip_coefficient`` and the skip flag from the record, on the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from cupy_amp.errors import ConfigError
+from cupy_amp.rule import _is_real
+
+__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "host_stats"]
+
+CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
+
+# The Stats struct of kernels/common.cuh (cupy_amp.cupy_backend checks the two agree at every compile).
+STATS = np.dtype(
+    [
+        ("sum_of_squares", "<f8"),
+        ("norm", "<f4"),
+        ("clip_coefficient", "<f4"),
+        ("factor", "<f4"),
+        ("found", "<i4"),
+        ("skip", "<i4"),
+    ],
+    align=True,
+)
+
+
+def expect_max_norm(max_norm: object) -> float:
+    """Return ``max_norm`` as a float; 0.0 stands for None (no clipping).
+
+    Raises:
+        ConfigError: Not None and not a finite number > 0 that float32 holds as a normal number.
+    """
+    if max_norm is None:
+        return 0.0
+    value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
+    if not float(np.finfo(np.float32).tiny) <= value <= float(np.finfo(np.float32).max):
+        raise ConfigError(f"Invalid 'max_norm': expected None or a finite number > 0 (float32), got {max_norm!r}.")
+    return value
+
+
+def host_stats(
+    record: np.ndarray, arrays: Sequence[np.ndarray], inv_scale: np.float32, max_norm: float
+) -> tuple[int, ...]:
+    """Fill a 0-d :data:`STATS` record from NumPy arrays, as the GPU kernels do; return the culprits' positions.
+
+    ``skip`` is this rank's overflow; a vote may set it afterwards.
+    """
+    culprits = []
+    total = 0.0
+    with np.errstate(over="ignore", invalid="ignore"):
+        for position, array in enumerate(arrays):
+            values = np.asarray(array, dtype=np.float64)
+            if not np.isfinite(values).all():
+                culprits.append(position)
+            total += float(np.sum(np.square(values)))
+    norm = np.float32(math.sqrt(total) * float(inv_scale)) if math.isfinite(total) else np.float32(total)
+    clip = np.float32(1.0)
+    if max_norm > 0.0:
+        quotient = max_norm / (float(norm) + CLIP_EPS)
+        if quotient < 1.0:
+            clip = np.float32(quotient)
+    record["sum_of_squares"] = total
+    record["norm"] = norm
+    record["clip_coefficient"] = clip
+    record["factor"] = np.float32(inv_scale) * clip
+    record["found"] = record["skip"] = bool(culprits)
+    return tuple(culprits)
+
+
+class GradientStats:
+    """One step's statistics from ``check()``, in device memory for CuPy gradients (host memory for NumPy).
+
+    The arrays are views of the scaler's record: they hold the values of the
+    latest ``check()``, and reading one on the host synchronizes
+    (``float(stats.norm)``).
+
+    Attributes:
+        norm: 0-d float32 array, the L2 norm of all the step's unscaled gradients
+            (inf or nan after an overflow).
+        clip_coefficient: 0-d float32 array, ``min(1, max_norm / (norm + 1e-6))``
+            (1 without ``max_norm``).
+        finite: 0-d bool array, the step's verdict (True: no rank overflowed).
+    """
+
+    def __init__(self, norm: Any, clip_coefficient: Any, finite: Any, source: np.ndarray | int) -> None:
+        self.norm = norm
+        self.clip_coefficient = clip_coefficient
+        self.finite = finite
+        self.source = source  # the host's 0-d STATS record, or the device record's address
+
+    def __repr__(self) -> str:
+        where = "on the host" if isinstance(self.source, np.ndarray) else "on the device"
+        return f"GradientStats({where}; read .norm, .clip_coefficient, .finite)"
