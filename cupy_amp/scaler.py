@@ -168,6 +168,15 @@ class GradScaler:
         """Build a scaler from the four classic parameters; the rest keep their defaults."""
         return cls(init_scale, growth_factor, backoff_factor, growth_interval)
 
+    @classmethod
+    def guard(cls) -> GradScaler:
+        """Return a scaler whose scale stays 1: the inf/nan check, skip and clipping of ``check()`` without scaling.
+
+        For bfloat16 (or float32) training, which needs no loss scaling but must
+        still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
+        """
+        return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
+
     @property
     def config(self) -> ScalerConfig:
         """The immutable configuration (never synchronizes)."""

@@ -90,6 +90,15 @@ class SyncFreeGradScaler:
         self._bad_votes_reported = 0
         self._checked_read_only = False  # this step's gradients went through check(), not unscale_and_check()
 
+    @classmethod
+    def guard(cls) -> SyncFreeGradScaler:
+        """Return a scaler whose scale stays 1: the inf/nan check, skip and clipping of ``check()`` without scaling.
+
+        For bfloat16 (or float32) training, which needs no loss scaling but must
+        still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
+        """
+        return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
+
     @property
     def config(self) -> ScalerConfig:
         """The immutable configuration (never synchronizes)."""

@@ -1,0 +1,255 @@
+"""The read-only statistics pass and the fused optimizers on a GPU, against float64 and the NumPy reference."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_same_bits
+
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
+from cupy_amp.dtypes import bfloat16  # noqa: E402
+from cupy_amp.optim import SGD, AdamW  # noqa: E402
+from cupy_amp.statistics import STATS, GradientStats  # noqa: E402
+
+SCALERS = [GradScaler, SyncFreeGradScaler]
+BF16 = bfloat16()
+PARAM_DTYPES = ["float16", "float32"] + (["bfloat16"] if BF16 is not None else [])
+OPTIMIZERS: dict[str, Any] = {
+    "adamw": lambda params: AdamW(params, lr=1e-3, weight_decay=0.01),
+    "adamw-no-decay": lambda params: AdamW(params, lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+    "sgd": lambda params: SGD(params, lr=1e-2),
+    "sgd-momentum": lambda params: SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-4),
+    "sgd-nesterov": lambda params: SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+    "sgd-dampening": lambda params: SGD(params, lr=1e-2, momentum=0.5, dampening=0.1, weight_decay=0.1),
+}
+
+
+def np_dtype(name: str) -> Any:
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def host_record(stats: GradientStats) -> GradientStats:
+    """Copy a device record to the host, as the NumPy optimizer reads it: the same factor and skip flag."""
+    memory = cupy.cuda.UnownedMemory(stats.source, STATS.itemsize, None)
+    raw = cupy.ndarray(STATS.itemsize, cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)).get()
+    record = np.frombuffer(raw.tobytes(), dtype=STATS).reshape(()).copy()
+    return GradientStats(record["norm"], record["clip_coefficient"], np.array(not record["skip"]), record)
+
+
+def gradients(rng: np.random.Generator, dtype: str, scale: float) -> list[np.ndarray]:
+    shapes = [(1,), (7,), (4096,), (65537,), (33, 129), (300_001,)]
+    return [(rng.standard_normal(shape) * scale).astype(np_dtype(dtype)) for shape in shapes]
+
+
+def float64_norm(grads: list[np.ndarray], inv_scale: float) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(g, dtype=np.float64))) for g in grads)) * inv_scale)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "mixed", "strided"])
+def test_the_norm_is_within_one_ulp_of_float64_and_the_same_bits_every_run(scaler_class: type, dtype: str) -> None:
+    rng = np.random.default_rng(3)
+    if dtype == "mixed":
+        host = gradients(rng, "float16", 300.0) + gradients(rng, "float32", 3.0)
+        grads = [cupy.asarray(g) for g in host]
+    elif dtype == "strided":  # every third element, and a transposed matrix: the same views on both sides
+        bases = gradients(rng, "float32", 30.0)
+        matrix = rng.standard_normal((40, 50)).astype(np.float32)
+        host = [b[::3] for b in bases] + [matrix.T]
+        grads = [cupy.asarray(b)[::3] for b in bases] + [cupy.asarray(matrix).T]
+    else:
+        host = gradients(rng, dtype, 300.0)
+        grads = [cupy.asarray(g) for g in host]
+    before = [cupy.asnumpy(g).tobytes() for g in grads]
+    norms = set()
+    for _ in range(10):
+        scaler = scaler_class(init_scale=1024.0)
+        stats = scaler.check(grads, max_norm=1.0)
+        norms.add(cupy.asnumpy(stats.norm).tobytes())
+        scaler.update()
+    assert len(norms) == 1
+    norm = np.frombuffer(norms.pop(), dtype=np.float32)[0]
+    expected = float64_norm(host, 1.0 / 1024.0)
+    assert abs(float(norm) - expected) <= float(np.spacing(np.float32(expected)))
+    clip = np.float32(min(1.0, 1.0 / (float(norm) + 1e-6)))
+    assert_same_bits(cupy.asnumpy(stats.clip_coefficient), np.asarray(clip))
+    assert [cupy.asnumpy(g).tobytes() for g in grads] == before  # only read
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_check_finds_every_nonfinite_gradient_and_reports_the_step_skipped(scaler_class: type) -> None:
+    rng = np.random.default_rng(4)
+    grads = [cupy.asarray(g) for g in gradients(rng, "float16", 1.0) + gradients(rng, "float32", 1.0)]
+    grads[3][100] = cupy.inf
+    grads[10][5, 6] = cupy.nan
+    grads[8].reshape(-1)[-1] = -cupy.inf
+    scaler = scaler_class()
+    stats = scaler.check(grads, max_norm=1.0)
+    assert not bool(stats.finite)
+    assert scaler.had_overflow()
+    assert sorted(scaler.nonfinite_gradients()) == [3, 8, 10]
+    assert host_record(stats).source["skip"] == 1
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1
+
+
+def make_params(rng: np.random.Generator, dtype: str, misaligned: bool) -> list[np.ndarray]:
+    shapes = [(3,), (16,), (1000,), (16385,), (17, 33)]
+    params = [rng.standard_normal(shape).astype(np_dtype(dtype)) for shape in shapes]
+    if misaligned:  # views one element in: the kernels' scalar path
+        params = [np.concatenate([np.zeros(1, p.dtype), p.reshape(-1)])[1:].reshape(p.shape) for p in params]
+    return params
+
+
+def as_device(arrays: list[np.ndarray], misaligned: bool) -> list[Any]:
+    if not misaligned:
+        return [cupy.asarray(a) for a in arrays]
+    out = []
+    for a in arrays:
+        padded = cupy.empty(a.size + 1, dtype=a.dtype)
+        padded[1:] = cupy.asarray(a.reshape(-1))
+        out.append(padded[1:].reshape(a.shape))
+    return out
+
+
+@pytest.mark.parametrize("misaligned", [False, True])
+@pytest.mark.parametrize("dtype", PARAM_DTYPES)
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_optimizers_match_the_numpy_reference_bit_for_bit(name: str, dtype: str, misaligned: bool) -> None:
+    rng = np.random.default_rng(5)
+    host_params = make_params(rng, dtype, misaligned)
+    device_params = as_device(host_params, misaligned)
+    host_opt, device_opt = OPTIMIZERS[name](host_params), OPTIMIZERS[name](device_params)
+    scaler = GradScaler(init_scale=2.0**12, growth_interval=3)
+    for step in range(30):
+        magnitude = 10.0 ** rng.uniform(-3, 1)
+        host_grads = [(rng.standard_normal(p.shape) * magnitude).astype(p.dtype) for p in host_params]
+        if step in (4, 11):
+            host_grads[2][7] = np.inf
+        device_grads = as_device(host_grads, misaligned)
+        stats = scaler.check(device_grads, max_norm=None if step % 2 else 5.0)
+        device_opt.step(device_grads, stats)
+        host_opt.step(host_grads, host_record(stats))
+        scaler.update()
+        for g, h in zip(device_grads, host_grads):
+            assert_same_bits(cupy.asnumpy(g), h)  # never written
+    assert device_opt.step_count == host_opt.step_count == 28
+    for d, h in zip(device_params, host_params):
+        assert_same_bits(cupy.asnumpy(d), h)
+    for key in ("master", *device_opt._moments):
+        device_buffers = device_opt.state_dict()["buffers"][key]
+        assert device_buffers == host_opt.state_dict()["buffers"][key]
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_a_skipped_step_changes_nothing_at_all(name: str) -> None:
+    rng = np.random.default_rng(6)
+    params = as_device(make_params(rng, "float16", False), False)
+    opt = OPTIMIZERS[name](params)
+    scaler = SyncFreeGradScaler(init_scale=256.0)
+    grads = [cupy.asarray(rng.standard_normal(p.shape).astype(np.float16)) for p in params]
+    opt.step(grads, scaler.check(grads))
+    scaler.update()
+    before = opt.state_dict()
+    saved = [cupy.asnumpy(p) for p in params]
+    grads[0][1] = cupy.nan
+    opt.step(grads, scaler.check(grads))
+    scaler.update()
+    assert opt.state_dict() == before
+    for p, s in zip(params, saved):
+        assert_same_bits(cupy.asnumpy(p), s)
+
+
+def capture(stream: Any, step: Any) -> Any:
+    stream.begin_capture()
+    try:
+        step()
+    finally:
+        graph = stream.end_capture()
+    return graph
+
+
+def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eager_steps() -> None:
+    rng = np.random.default_rng(7)
+    batches = [rng.standard_normal((64, 32)).astype(np.float16) for _ in range(30)]
+    for poisoned in (4, 5, 19):
+        batches[poisoned][3, 4] = np.inf
+
+    def run(captured: bool) -> tuple[np.ndarray, list[dict[str, Any]], list[float]]:
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            weights = cupy.asarray(np.random.default_rng(0).standard_normal(32).astype(np.float16))
+            batch = cupy.empty((64, 32), cupy.float16)
+            seed = cupy.empty((), cupy.float32)
+            grad = cupy.empty(32, cupy.float16)
+            scaler = SyncFreeGradScaler(init_scale=2.0**8, growth_interval=5)
+            opt = AdamW([weights], lr=1e-2)
+            prepared = scaler.prepare([grad])
+
+            def step() -> None:
+                seed.fill(1.0)
+                scaler.scale_loss(seed)
+                cupy.sum(batch, axis=0, out=grad)
+                cupy.multiply(grad, weights, out=grad)
+                cupy.multiply(grad, seed, out=grad)
+                opt.step([grad], scaler.check(prepared, max_norm=0.5))
+                scaler.update()
+
+            batch.set(batches[0])
+            step()
+            graph = capture(stream, step) if captured else None
+            stats, norms = [], []
+            for data in batches[1:]:
+                batch.set(data, stream=stream)
+                if graph is not None:
+                    graph.launch(stream)
+                else:
+                    step()
+                stats.append(scaler.stats().to_dict())
+                norms.append(float(scaler._state.stats.result.norm))
+            stats.append({"optimizer_steps": opt.step_count})
+            return cupy.asnumpy(weights), stats, norms
+
+    eager = run(captured=False)
+    graph = run(captured=True)
+    assert graph[1] == eager[1] and graph[2] == eager[2]
+    assert eager[1][-2]["skipped_steps"] >= 3 and eager[1][-1]["optimizer_steps"] == 30 - eager[1][-2]["skipped_steps"]
+    assert_same_bits(graph[0], eager[0])
+
+
+def test_a_learning_rate_set_after_capture_reaches_the_replays() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        weights = cupy.zeros(8, cupy.float32)
+        grad = cupy.ones(8, cupy.float32)
+        opt = SGD([weights], lr=1.0)
+        opt.step([grad])
+        graph = capture(stream, lambda: opt.step([grad]))
+        opt.lr = 0.25
+        graph.launch(stream)
+        stream.synchronize()
+    assert cupy.asnumpy(weights).tolist() == [-1.25] * 8
+
+
+def test_a_saved_state_resumes_bit_for_bit(tmp_path: Any) -> None:
+    rng = np.random.default_rng(8)
+    host = make_params(rng, "float16", False)
+    grads = [[cupy.asarray(rng.standard_normal(p.shape).astype(np.float16)) for p in host] for _ in range(10)]
+    params = as_device(host, False)
+    opt = AdamW(params)
+    for g in grads[:5]:
+        opt.step(g)
+    opt.save(tmp_path / "adamw.state")
+    resumed_params = [p.copy() for p in params]
+    resumed = AdamW(resumed_params)
+    resumed.load(tmp_path / "adamw.state")
+    for g in grads[5:]:
+        opt.step(g)
+        resumed.step(g)
+    for a, b in zip(params, resumed_params):
+        assert_same_bits(cupy.asnumpy(a), cupy.asnumpy(b))
+    assert resumed.step_count == opt.step_count == 10

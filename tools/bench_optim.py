@@ -1,0 +1,197 @@
+"""Benchmark the read-only statistics pass, the fused optimizers and a whole step against floors and PyTorch.
+
+All in one run, timers interleaved round by round (``bench_unscale``'s method:
+CUDA events, an L2 scrub before each timed run, medians):
+
+- the statistics pass (``SyncFreeGradScaler.check`` with clipping, and its
+  ``update``) against its floor: the bytes it reads at the copy bandwidth of a
+  2 GiB device-to-device copy;
+- fused AdamW and SGD with momentum on float16 parameters with float32 master
+  weights, against their floors (AdamW moves 28 bytes per parameter, SGD 20);
+- a whole step on GPT-2-XL float32 shapes: ours (``scale_loss``, ``check``,
+  ``AdamW.step``, ``update``) against PyTorch's best (``GradScaler`` with
+  ``unscale_``, ``clip_grad_norm_(foreach=True)``, ``AdamW(fused=True)``), with
+  and without clipping, on the same data.
+
+Usage: PYTHONPATH=. python tools/bench_optim.py [--repeats N] [--json PATH] [--skip-torch]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import cupy
+import numpy as np
+from bench_unscale import copy_timer, cupy_event_timer, environment, gpt2_shapes, hide_host_latency, interleaved_medians
+
+from cupy_amp import GradientSet, SyncFreeGradScaler
+from cupy_amp.optim import SGD, AdamW
+
+COPY_BYTES = 2 * 4 * 2**29  # what copy_timer moves: 2 GiB read, 2 GiB written
+STATS_WORKLOADS = {
+    "gpt2-small-fp16": (gpt2_shapes(12, 768), "float16"),
+    "gpt2-small-fp32": (gpt2_shapes(12, 768), "float32"),
+    "gpt2-xl-fp32": (gpt2_shapes(48, 1600), "float32"),
+    "5000x8192-fp32": ([(8192,)] * 5000, "float32"),
+}
+OPTIMIZER_WORKLOADS = {"gpt2-small": gpt2_shapes(12, 768), "gpt2-xl": gpt2_shapes(48, 1600)}
+# Bytes per parameter: float16 gradient read; float32 master read and written, float16 parameter written;
+# AdamW: two float32 moments read and written; SGD: one momentum buffer read and written.
+OPTIMIZER_BYTES = {"adamw": 2 + 4 + 4 + 2 + 16, "sgd-momentum": 2 + 4 + 4 + 2 + 8}
+
+
+def arrays(shapes: list[tuple[int, ...]], dtype: str, seed: int) -> list[cupy.ndarray]:
+    rng = cupy.random.default_rng(seed)
+    return [rng.standard_normal(shape, dtype=cupy.float32).astype(dtype) for shape in shapes]
+
+
+def stats_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    prepared = scaler.prepare(grads)
+
+    def run(i: int) -> None:
+        scaler.check(prepared, max_norm=1.0)
+        scaler.update()
+
+    run(0)
+    if not bool(scaler.stats().last_overflow == "none"):
+        raise SystemExit("benchmark check failed: clean gradients reported an overflow")
+    return cupy_event_timer(run)
+
+
+def optimizer_timer(kind: str, shapes: list[tuple[int, ...]]) -> Callable[[int], float]:
+    params = arrays(shapes, "float16", 1)
+    grads = GradientSet(arrays(shapes, "float16", 2))
+    optimizer = AdamW(params, lr=1e-6) if kind == "adamw" else SGD(params, lr=1e-6, momentum=0.9)
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    stats = scaler.check(grads)
+    gradient_list = list(grads)
+    return cupy_event_timer(lambda i: optimizer.step(gradient_list, stats))
+
+
+def our_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int], float]:
+    params = arrays(shapes, "float32", 3)
+    grads = arrays(shapes, "float32", 4)
+    loss = cupy.ones((), cupy.float32)
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    prepared = scaler.prepare(grads)
+    optimizer = AdamW(params, lr=1e-6)
+
+    def step(i: int) -> None:
+        scaler.scale_loss(loss)
+        optimizer.step(grads, scaler.check(prepared, max_norm=1.0 if clip else None))
+        scaler.update()
+
+    return cupy_event_timer(step)
+
+
+def torch_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int], float] | None:
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    params = [torch.randn(shape, device="cuda", generator=generator, requires_grad=True) for shape in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device="cuda", generator=generator)
+    optimizer = torch.optim.AdamW(params, lr=1e-6, fused=True)
+    scaler = torch.amp.GradScaler("cuda", init_scale=1.0, growth_interval=10**9)
+    loss = torch.ones((), device="cuda")
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def step() -> None:
+        scaler.scale(loss)
+        if clip:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        scaler.step(optimizer)
+        scaler.update()
+
+    def timed(i: int) -> float:
+        step()
+        hide_host_latency()
+        start.record()
+        step()
+        stop.record()
+        stop.synchronize()
+        return float(start.elapsed_time(stop)) * 1000.0
+
+    return timed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
+    parser.add_argument("--json", type=Path, help="also write the results as JSON to this path")
+    parser.add_argument("--skip-torch", action="store_true", help="do not time PyTorch's step")
+    args = parser.parse_args(argv)
+    info = environment(args.repeats)
+    results: dict[str, Any] = {"environment": info, "stats": {}, "optimizers": {}, "steps": {}}
+
+    copy = copy_timer()
+    for name, (shapes, dtype) in STATS_WORKLOADS.items():
+        grads = arrays(shapes, dtype, 0)
+        medians = interleaved_medians({"copy": copy, "stats": stats_timer(grads)}, args.repeats)
+        bandwidth = COPY_BYTES / medians["copy"]  # bytes per microsecond
+        floor = sum(g.nbytes for g in grads) / bandwidth
+        results["stats"][name] = {"us": medians["stats"], "floor_us": floor, "fraction": floor / medians["stats"]}
+        del grads
+        cupy.get_default_memory_pool().free_all_blocks()
+        print(
+            f"stats {name:16s} {medians['stats']:9.1f} us  floor {floor:9.1f} us  fraction {floor / medians['stats']:.3f}"
+        )
+
+    for name, shapes in OPTIMIZER_WORKLOADS.items():
+        elements = sum(int(np.prod(shape)) for shape in shapes)
+        for kind, per_parameter in OPTIMIZER_BYTES.items():
+            medians = interleaved_medians({"copy": copy, "step": optimizer_timer(kind, shapes)}, args.repeats)
+            floor = elements * per_parameter / (COPY_BYTES / medians["copy"])
+            results["optimizers"][f"{kind}-{name}"] = {
+                "us": medians["step"], "floor_us": floor, "fraction": floor / medians["step"],
+            }  # fmt: skip
+            cupy.get_default_memory_pool().free_all_blocks()
+            print(
+                f"{kind:12s} {name:10s} {medians['step']:9.1f} us  floor {floor:9.1f} us  fraction {floor / medians['step']:.3f}"
+            )
+
+    shapes = gpt2_shapes(48, 1600)
+    for clip in (True, False):
+        timers = {"ours": our_step_timer(shapes, clip)}
+        theirs = None if args.skip_torch else torch_step_timer(shapes, clip)
+        if theirs is not None:
+            timers["torch"] = theirs
+        medians = interleaved_medians(timers, args.repeats)
+        label = "clip" if clip else "no-clip"
+        row = {"ours_us": medians["ours"], "torch_us": medians.get("torch")}
+        if "torch" in medians:
+            row["speedup"] = medians["torch"] / medians["ours"]
+        results["steps"][f"gpt2-xl-fp32-{label}"] = row
+        print(
+            f"step gpt2-xl-fp32 {label:8s} ours {medians['ours']:9.1f} us  torch {medians.get('torch', float('nan')):9.1f} us  "
+            f"speedup {row.get('speedup', float('nan')):.2f}"
+        )
+        del timers
+        import gc
+
+        gc.collect()
+        cupy.get_default_memory_pool().free_all_blocks()
+        try:
+            import torch
+
+            torch.cuda.empty_cache()
+        except ImportError:
+            pass
+    print(json.dumps(info))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
