@@ -55,6 +55,7 @@ class Call(NamedTuple):
         cacheable: The arrays' layouts cannot change behind the same objects, so the call
             may be reused when the same objects come back.
         bfloat16: Some array is bfloat16 (read by ``check()``, never unscaled in place).
+        devices: The devices the arrays are on, sorted (-1: the host).
     """
 
     labels: tuple[Hashable, ...]
@@ -64,6 +65,7 @@ class Call(NamedTuple):
     plan: Any
     cacheable: bool
     bfloat16: bool = False
+    devices: tuple[int, ...] = ()
 
 
 def describe(label: Hashable) -> str:
@@ -222,11 +224,10 @@ def parse_gradients(
             "unscale_and_check cannot take bfloat16 gradients (they are never unscaled in place): use "
             "check(gradients), which only reads them, with a guard scaler (GradScaler.guard())."
         )
-    if one_device and len({footprint.device for footprint in call.footprints}) > 1:
-        devices = sorted({footprint.device for footprint in call.footprints})
+    if one_device and len(call.devices) > 1:
         raise GradientValueError(
             f"With a communicator, every gradient of a call must be on one device (the communicator's); "
-            f"got devices {devices}."
+            f"got devices {list(call.devices)}."
         )
     return call
 
@@ -270,7 +271,8 @@ def _parse(gradients: Any) -> Call:
     plan = backend.prepare(arrays)
     cacheable = native and backend.LAYOUT_FIXED
     has_bfloat16 = bfloat16() is not None and any(array.dtype == bfloat16() for array in arrays)
-    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, cacheable, has_bfloat16)
+    devices = tuple(sorted({footprint.device for footprint in footprints}))
+    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, cacheable, has_bfloat16, devices)
 
 
 def _check_disjoint(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:

@@ -288,10 +288,10 @@ class GradScaler:
         with self._order:
             refuse_second_check(self._order.phase == CHECKED, self._vote is not None)
             call = parse_gradients(gradients, self._cache, in_place=False)
-            if len({footprint.device for footprint in call.footprints}) > 1:
+            if len(call.devices) > 1:
                 raise GradientValueError(
                     "check() takes the gradients of one device (its norm is summed on that device); got devices "
-                    f"{sorted({footprint.device for footprint in call.footprints})}. Use one scaler per device."
+                    f"{list(call.devices)}. Use one scaler per device."
                 )
             inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
             if self._enabled:
@@ -318,7 +318,7 @@ class GradScaler:
 
     def _stats_for(self, call: Call) -> Any:
         """Return this scaler's statistics record for a call's device, made on first use."""
-        device = call.footprints[0].device if call.footprints else -1
+        device = call.devices[0] if call.devices else -1
         stats = self._stats.get(device)
         if stats is None:
             finite = np.ones((), dtype=np.bool_)

@@ -6,6 +6,28 @@
 
 namespace cupy_amp {
 
+// A float16's square, exact in float32 (22 significant bits, never subnormal), widened to float64 with
+// integer operations: float64 conversions run at a fraction of the rate of the loads they follow.
+__device__ __forceinline__ double half_square(u16 x) {
+    const float f = f16_to_f32(x);
+    const float square = mul_f32(f, f);
+    const u32 b = __float_as_uint(square);
+    if (b == 0u || b >= 0x7f800000u) return widen(square);
+    return __longlong_as_double((long long)(((u64)b << 29) + ((u64)(1023 - 127) << 52)));
+}
+
+// Each element's square, exact in float64 for 16- and 32-bit types.
+template <class Type>
+__device__ __forceinline__ double square(typename Type::bits x) {
+    const double d = Type::value(x);
+    return __dmul_rn(d, d);
+}
+
+template <>
+__device__ __forceinline__ double square<Half>(u16 x) {
+    return half_square(x);
+}
+
 // Elements [first, last) of a dense tensor: a scalar head up to 16-byte alignment, 16-byte vectors
 // (kUnroll loads in flight per thread, streaming: every byte is read once), a scalar tail.
 template <class Type>
@@ -21,7 +43,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
     for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum = fma(Type::value(x), Type::value(x), sum);
+        sum = __dadd_rn(sum, square<Type>(x));
     }
 
     union Vector {
@@ -43,10 +65,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
             if (index < vectors) {
                 bad |= Type::vector_nonfinite(loaded[k].raw);
 #pragma unroll
-                for (int lane = 0; lane < vec; ++lane) {
-                    const double d = Type::value(loaded[k].lanes[lane]);
-                    sum = fma(d, d, sum);
-                }
+                for (int lane = 0; lane < vec; ++lane) sum = __dadd_rn(sum, square<Type>(loaded[k].lanes[lane]));
             }
         }
     }
@@ -54,7 +73,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
     for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum = fma(Type::value(x), Type::value(x), sum);
+        sum = __dadd_rn(sum, square<Type>(x));
     }
     return bad;
 }
@@ -68,7 +87,7 @@ __device__ bool read_range(u64 base, const long long* layout, long long first, l
     for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
         const typename Type::bits x = origin[strided_offset(staged, i)];
         bad |= Type::nonfinite(x);
-        sum = fma(Type::value(x), Type::value(x), sum);
+        sum = __dadd_rn(sum, square<Type>(x));
     }
     return bad;
 }

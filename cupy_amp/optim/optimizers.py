@@ -60,6 +60,7 @@ class _FusedOptimizer:
     _record_dtype: ClassVar[np.dtype[Any]]
     _moments: ClassVar[tuple[str, ...]]
     _hyperparameters: ClassVar[tuple[str, ...]]
+    _persistent: ClassVar[tuple[str, ...]]  # the record's fields a state file keeps (the rest is per step)
 
     def __init__(self, params: Iterable[Any], hyperparameters: dict[str, float]) -> None:
         self._params = list(params)
@@ -289,7 +290,7 @@ class _FusedOptimizer:
                 "format": STATE_FORMAT,
                 "version": STATE_VERSION,
                 "kind": self._rule,
-                "record": {name: record[name].item() for name in self._record_dtype.names or ()},
+                "record": {name: record[name].item() for name in self._persistent},
                 "buffers": {
                     name: [None if b is None else _host_bytes(b) for b in arrays] for name, arrays in buffers.items()
                 },
@@ -328,7 +329,7 @@ class _FusedOptimizer:
         if state["kind"] != self._rule:
             raise bad(f"it is the state of a {state['kind']!r} optimizer, not {self._rule!r}")
         fields = state["record"]
-        names = self._record_dtype.names or ()
+        names = self._persistent
         if not isinstance(fields, dict) or set(fields) != set(names):
             raise bad(f"'record' must have exactly the fields {', '.join(names)}")
         record = np.zeros((), dtype=self._record_dtype)
@@ -340,6 +341,8 @@ class _FusedOptimizer:
                 raise bad(f"record field {name!r} must be finite, got {value!r}")
             if name == "step" and not (isinstance(value, int) and 0 <= value < 2**64):
                 raise bad(f"'step' must be an int >= 0, got {value!r}")
+            if name.endswith("_power") and not 0.0 <= value <= 1.0:
+                raise bad(f"{name!r} must be between 0 and 1, got {value!r}")
             record[name] = value
         for name in self._hyperparameters:
             if record[name] != self._record[name]:
@@ -400,6 +403,7 @@ class AdamW(_FusedOptimizer):
     _record_dtype = reference.ADAMW_STATE
     _moments = ("exp_avg", "exp_avg_sq")
     _hyperparameters = ("beta1", "beta2", "eps", "weight_decay")
+    _persistent = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "beta1_power", "beta2_power")
 
     def __init__(
         self,
@@ -448,6 +452,7 @@ class SGD(_FusedOptimizer):
     _record_dtype = reference.SGD_STATE
     _moments = ("momentum_buffer",)
     _hyperparameters = ("momentum", "dampening", "weight_decay", "nesterov")
+    _persistent = ("step", "lr", "momentum", "dampening", "weight_decay", "nesterov")
 
     def __init__(
         self,
