@@ -19,6 +19,7 @@ Usage: PYTHONPATH=. python tools/bench_optim.py [--repeats N] [--json PATH] [--s
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -182,9 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         }  # fmt: skip
         del grads
         cupy.get_default_memory_pool().free_all_blocks()
-        print(
-            f"stats {name:16s} {medians['stats']:9.1f} us  floor {floor:9.1f} us  fraction {floor / medians['stats']:.3f}"
-        )
+        us = medians["stats"]
+        print(f"stats {name:16s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}  host {host:.1f} us")
 
     for name, shapes in OPTIMIZER_WORKLOADS.items():
         elements = sum(int(np.prod(shape)) for shape in shapes)
@@ -195,9 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                 "us": medians["step"], "floor_us": floor, "fraction": floor / medians["step"],
             }  # fmt: skip
             cupy.get_default_memory_pool().free_all_blocks()
-            print(
-                f"{kind:12s} {name:10s} {medians['step']:9.1f} us  floor {floor:9.1f} us  fraction {floor / medians['step']:.3f}"
-            )
+            us = medians["step"]
+            print(f"{kind:12s} {name:10s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}")
 
     shapes = gpt2_shapes(48, 1600)
     for clip in (True, False):
@@ -211,13 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         if "torch" in medians:
             row["speedup"] = medians["torch"] / medians["ours"]
         results["steps"][f"gpt2-xl-fp32-{label}"] = row
-        print(
-            f"step gpt2-xl-fp32 {label:8s} ours {medians['ours']:9.1f} us  torch {medians.get('torch', float('nan')):9.1f} us  "
-            f"speedup {row.get('speedup', float('nan')):.2f}"
-        )
+        torch_us, speedup = medians.get("torch", float("nan")), row.get("speedup", float("nan"))
+        ours = medians["ours"]
+        print(f"step gpt2-xl-fp32 {label:8s} ours {ours:9.1f} us  torch {torch_us:9.1f} us  speedup {speedup:.2f}")
         del timers
-        import gc
-
         gc.collect()
         cupy.get_default_memory_pool().free_all_blocks()
         try:

@@ -1,0 +1,294 @@
+"""The fused optimizers on the NumPy path: PyTorch's updates, skips, masters, validation and state files."""
+
+from __future__ import annotations
+
+import itertools
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import assert_same_bits
+
+from cupy_amp import GradScaler, SyncFreeGradScaler
+from cupy_amp.errors import (
+    ArgumentTypeError,
+    CheckpointCorruptError,
+    CheckpointFieldError,
+    ConfigError,
+    GradientTypeError,
+    GradientValueError,
+)
+from cupy_amp.optim import SGD, AdamW
+from cupy_amp.optim.reference import fma32
+
+SHAPES = [(37, 5), (1000,), (3, 3, 3)]
+
+
+def params(seed: int, dtype: Any = np.float32) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(shape).astype(dtype) for shape in SHAPES]
+
+
+def test_fma32_rounds_once_like_a_fused_multiply_add() -> None:
+    rng = np.random.default_rng(0)
+    a, b, c = ((rng.standard_normal(20000) * 10.0 ** rng.integers(-15, 15, 20000)).astype(np.float32) for _ in range(3))
+    # Hard cases: products that nearly cancel c, and exact float32 midpoints after the addition.
+    a[:5000], b[:5000] = np.float32(1 + 2**-12), np.float32(1 - 2**-12)
+    c[:5000] = -np.float32(1.0)
+    c[5000:6000] = np.float32(2**-25) * np.sign(c[5000:6000])
+    a[5000:6000], b[5000:6000] = np.float32(1.0), np.float32(1.0)
+    got = fma32(a, b, c)
+    for x, y, z, r in zip(a[:8000], b[:8000], c[:8000], got[:8000]):
+        exact = Fraction(float(x)) * Fraction(float(y)) + Fraction(float(z))
+        nearest = np.float32(float(exact))  # float64 is exact enough to decide, except on float32 midpoints:
+        candidates = [nearest, np.nextafter(nearest, np.float32(np.inf)), np.nextafter(nearest, np.float32(-np.inf))]
+        best = min(candidates, key=lambda v: (abs(Fraction(float(v)) - exact), int(v.view(np.uint32)) & 1))
+        assert r.view(np.uint32) == best.view(np.uint32), (x, y, z)
+
+
+def torch_run(make_ours: Any, make_theirs: Any, steps: int, resync: bool) -> tuple[list[int], list[float]]:
+    """Step ours and PyTorch's on the same gradients; return per-step counts of differing parameter elements."""
+    torch = pytest.importorskip("torch")
+    ours_params = params(1)
+    theirs = [torch.tensor(p.copy(), requires_grad=True) for p in ours_params]
+    ours, reference = make_ours(ours_params), make_theirs(theirs)
+    rng = np.random.default_rng(2)
+    differing, sqrt_differing = [], []
+    for _ in range(steps):
+        grads = [(rng.standard_normal(s) * 10 ** rng.uniform(-6, 1)).astype(np.float32) for s in SHAPES]
+        ours.step(grads)
+        for t, g in zip(theirs, grads):
+            t.grad = torch.tensor(g)
+        reference.step()
+        count = 0
+        sqrt_count = 0
+        for index, (p, t) in enumerate(zip(ours_params, theirs)):
+            expected = t.detach().numpy()
+            count += int(np.sum(p != expected))
+            if resync:
+                state = reference.state[t]
+                if "exp_avg_sq" in state:  # elements where PyTorch's float32 sqrt is not correctly rounded
+                    v = state["exp_avg_sq"].numpy()
+                    wrong = torch.tensor(v).sqrt().numpy() != np.sqrt(v.astype(np.float64)).astype(np.float32)
+                    sqrt_count += int(np.sum((p != expected) & ~wrong))
+                    ours._buffers["exp_avg"][index][...] = state["exp_avg"].numpy()
+                    ours._buffers["exp_avg_sq"][index][...] = v
+                p[...] = expected
+        differing.append(count)
+        sqrt_differing.append(sqrt_count)
+    return differing, sqrt_differing
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"momentum": 0.9}, {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+     {"momentum": 0.5, "dampening": 0.1, "weight_decay": 0.1}],
+)  # fmt: skip
+def test_sgd_equals_torch_bit_for_bit_over_1000_steps(options: dict[str, Any]) -> None:
+    torch = pytest.importorskip("torch")
+    differing, _ = torch_run(
+        lambda p: SGD(p, lr=1e-2, **options),
+        lambda t: torch.optim.SGD(t, lr=1e-2, foreach=False, **options),
+        steps=1000,
+        resync=False,
+    )
+    assert sum(differing) == 0
+
+
+def test_adamw_differs_from_torch_only_where_torchs_sqrt_is_not_correctly_rounded() -> None:
+    """Each step from PyTorch's state: every element equal except where its float32 sqrt is off (ours is IEEE)."""
+    torch = pytest.importorskip("torch")
+    differing, unexplained = torch_run(
+        lambda p: AdamW(p, lr=1e-3, weight_decay=0.01),
+        lambda t: torch.optim.AdamW(t, lr=1e-3, weight_decay=0.01, foreach=False),
+        steps=300,
+        resync=True,
+    )
+    assert sum(unexplained) == 0
+    assert 0 < sum(differing) < 0.001 * 300 * sum(int(np.prod(s)) for s in SHAPES)
+
+
+def test_skipped_steps_match_torch_grad_scaler_and_adamw() -> None:
+    torch = pytest.importorskip("torch")
+    ours_params = params(3)
+    theirs = [torch.tensor(p.copy(), requires_grad=True) for p in ours_params]
+    ours, reference = AdamW(ours_params), torch.optim.AdamW(theirs, foreach=False)
+    our_scaler = GradScaler(init_scale=2.0**10, growth_interval=7, min_scale=None, max_scale=None)
+    their_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=7)
+    rng = np.random.default_rng(4)
+    for step in range(200):
+        grads = [(rng.standard_normal(s) * 2.0**10).astype(np.float32) for s in SHAPES]
+        if step % 13 in (3, 4):
+            grads[step % 3].reshape(-1)[step % 5] = np.inf if step % 2 else np.nan
+        ours.step(grads, our_scaler.check(grads))
+        our_scaler.update()
+        their_scaler.scale(torch.ones(()))  # sets up its scale, as scaling a loss does
+        for t, g in zip(theirs, grads):
+            t.grad = torch.tensor(g)
+        their_scaler.step(reference)
+        their_scaler.update()
+        assert our_scaler.scale_factor() == their_scaler.get_scale()
+    assert ours.step_count == reference.state[theirs[0]]["step"].item() < 200
+    for p, t in zip(ours_params, theirs):
+        np.testing.assert_allclose(p, t.detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("scaler_class", [GradScaler, SyncFreeGradScaler])
+@pytest.mark.parametrize("optimizer", [AdamW, lambda p: SGD(p, lr=0.1, momentum=0.9)])
+def test_a_skipped_step_changes_nothing_and_gradients_are_never_written(scaler_class: type, optimizer: Any) -> None:
+    weights = params(5, np.float16)
+    opt = optimizer(weights)
+    scaler = scaler_class()
+    grads = params(6, np.float16)
+    opt.step(grads, scaler.check(grads, max_norm=1.0))
+    scaler.update()
+    saved, state = [w.copy() for w in weights], opt.state_dict()
+    grads[1][7] = np.nan
+    kept = [g.copy() for g in grads]
+    opt.step(grads, scaler.check(grads, max_norm=1.0))
+    scaler.update()
+    assert opt.state_dict() == state and opt.step_count == 1
+    for w, s in zip(weights, saved):
+        assert_same_bits(w, s)
+    for g, k in zip(grads, kept):
+        assert_same_bits(g, k)
+
+
+def test_float16_parameters_are_their_float32_masters_rounded() -> None:
+    weights = params(7, np.float16)
+    opt = AdamW(weights, lr=0.01)
+    for seed in range(5):
+        opt.step(params(10 + seed, np.float16))
+    masters = opt.state_dict()["buffers"]["master"]
+    for w, m in zip(weights, masters):
+        assert_same_bits(w, np.frombuffer(m, dtype=np.float32).reshape(w.shape).astype(np.float16))
+
+
+def test_the_clip_coefficient_and_inverse_scale_multiply_the_gradient_inside_the_update() -> None:
+    """Clipped and unscaled inside: the same as SGD on gradients multiplied by the factor beforehand."""
+    weights, expected = params(8), params(8)
+    grads = [g * np.float32(64) for g in params(9)]
+    scaler = GradScaler(init_scale=64.0)
+    stats = scaler.check(grads, max_norm=0.5)
+    SGD(weights, lr=0.1).step(grads, stats)
+    factor = np.float32(stats.source["factor"])
+    SGD(expected, lr=0.1).step([g * factor for g in grads])
+    assert float(stats.clip_coefficient) < 1
+    for w, e in zip(weights, expected):
+        assert_same_bits(w, e)
+
+
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: AdamW(p, lr=-1), "'lr'"),
+        (lambda p: AdamW(p, betas=(1.0, 0.9)), "'betas\\[0\\]'"),
+        (lambda p: AdamW(p, betas=(0.9,)), "'betas'"),
+        (lambda p: AdamW(p, eps=float("nan")), "'eps'"),
+        (lambda p: AdamW(p, weight_decay=-0.1), "'weight_decay'"),
+        (lambda p: SGD(p, momentum=-1), "'momentum'"),
+        (lambda p: SGD(p, nesterov=True), "Nesterov"),
+        (lambda p: SGD(p, momentum=0.9, dampening=0.1, nesterov=True), "Nesterov"),
+        (lambda p: SGD(p, nesterov=1), "'nesterov'"),
+    ],
+)
+def test_bad_hyperparameters_are_refused_by_name(make: Any, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        make(params(0))
+
+
+def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> None:
+    with pytest.raises(ArgumentTypeError, match="non-empty"):
+        AdamW([])
+    with pytest.raises(GradientTypeError, match="dtype float64"):
+        AdamW([np.zeros(3)])
+    with pytest.raises(GradientValueError, match="C-contiguous"):
+        AdamW([np.zeros((4, 4), np.float32).T])
+    shared = np.zeros(8, np.float32)
+    with pytest.raises(GradientValueError, match="share memory"):
+        AdamW([shared[:5], shared[4:]])
+    weights = params(1)
+    opt = AdamW(weights)
+    saved = [w.copy() for w in weights]
+    grads = params(2)
+    with pytest.raises(ArgumentTypeError, match="Expected 3 gradients"):
+        opt.step(grads[:2])
+    with pytest.raises(GradientTypeError, match="of shape"):
+        opt.step([grads[0].T, *grads[1:]])
+    with pytest.raises(GradientValueError, match="share memory"):
+        opt.step([weights[0], *grads[1:]])  # a gradient that is its own parameter
+    with pytest.raises(ArgumentTypeError, match="GradientStats"):
+        opt.step(grads, stats=object())  # type: ignore[arg-type]
+    assert opt.step_count == 0
+    for w, s in zip(weights, saved):
+        assert_same_bits(w, s)
+
+
+def test_the_learning_rate_can_change_between_steps() -> None:
+    weights = [np.zeros(4, np.float32)]
+    opt = SGD(weights, lr=1.0)
+    opt.step([np.ones(4, np.float32)])
+    opt.lr = 0.25
+    opt.step([np.ones(4, np.float32)])
+    assert weights[0].tolist() == [-1.25] * 4 and opt.lr == 0.25
+    with pytest.raises(ConfigError, match="'lr'"):
+        opt.lr = float("inf")
+
+
+@pytest.mark.parametrize("make", [lambda p: AdamW(p, lr=0.01), lambda p: SGD(p, lr=0.1, momentum=0.9)])
+def test_a_saved_state_resumes_bit_for_bit(tmp_path: Path, make: Any) -> None:
+    weights = params(11, np.float16)
+    opt = make(weights)
+    steps = [params(20 + i, np.float16) for i in range(6)]
+    for grads in steps[:3]:
+        opt.step(grads)
+    opt.save(tmp_path / "state")
+    resumed_weights = [w.copy() for w in weights]
+    resumed = make(resumed_weights)
+    resumed.load(tmp_path / "state")
+    for grads in steps[3:]:
+        opt.step(grads)
+        resumed.step(grads)
+    assert resumed.step_count == opt.step_count == 6
+    for a, b in zip(weights, resumed_weights):
+        assert_same_bits(a, b)
+
+
+def test_a_damaged_or_foreign_state_file_changes_nothing(tmp_path: Path) -> None:
+    weights = params(12)
+    opt = AdamW(weights)
+    opt.step(params(13))
+    opt.save(tmp_path / "good")
+    data = (tmp_path / "good").read_bytes()
+    target_weights = params(14)
+    target = AdamW(target_weights)
+    before = target.state_dict()
+    cases: dict[str, tuple[bytes, type]] = {
+        "flipped": (data[:100] + bytes([data[100] ^ 1]) + data[101:], CheckpointCorruptError),
+        "truncated": (data[:-10], CheckpointCorruptError),
+        "empty": (b"", CheckpointCorruptError),
+    }
+    for name, (content, error) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(error):
+            target.load(tmp_path / name)
+    with pytest.raises(CheckpointFieldError, match="'sgd'"):
+        SGD(params(12), lr=0.1).load(tmp_path / "good")
+    with pytest.raises(CheckpointFieldError, match="weight_decay"):
+        AdamW(params(12), weight_decay=0.5).load(tmp_path / "good")
+    with pytest.raises((CheckpointFieldError, CheckpointCorruptError)):
+        AdamW([np.zeros(5, np.float32)]).load(tmp_path / "good")
+    assert target.state_dict() == before
+
+
+def test_every_field_of_the_state_round_trips() -> None:
+    weights = params(15, np.float16)
+    opt = AdamW(weights, lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    for seed, _ in zip(itertools.count(30), range(4)):
+        opt.step(params(seed, np.float16))
+    state = opt.state_dict()
+    other = AdamW(params(16, np.float16), lr=0.5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
+    other.load_state_dict(state)
+    assert other.state_dict() == state and other.lr == 0.02

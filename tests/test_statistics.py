@@ -1,0 +1,141 @@
+"""check(): the read-only statistics pass on the NumPy path, its call-order rules and its guard scalers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_comm import FakeVote, FakeWorld
+from helpers import assert_same_bits
+
+from cupy_amp import GradScaler, SyncFreeGradScaler
+from cupy_amp.dtypes import bfloat16
+from cupy_amp.errors import ConfigError, GradientTypeError, ScalerProtocolError
+
+SCALERS = [GradScaler, SyncFreeGradScaler]
+BF16 = bfloat16()
+DTYPES: list[Any] = [np.float16, np.float32, np.float64] + ([BF16] if BF16 is not None else [])
+
+
+def gradients(seed: int, dtype: Any) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(shape) * 100).astype(dtype) for shape in [(1,), (17,), (300, 7), (4097,)]]
+
+
+def float64_norm(grads: list[np.ndarray], inv_scale: float) -> float:
+    return float(np.sqrt(sum(np.sum(np.square(np.asarray(g, dtype=np.float64))) for g in grads)) * inv_scale)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_norm_is_the_unscaled_gradients_norm_within_one_float32_ulp(scaler_class: type, dtype: Any) -> None:
+    grads = gradients(1, dtype)
+    before = [g.copy() for g in grads]
+    scaler = scaler_class(init_scale=512.0)
+    stats = scaler.check(grads)
+    expected = float64_norm(grads, 1 / 512)
+    assert abs(float(stats.norm) - expected) <= float(np.spacing(np.float32(expected)))
+    assert float(stats.clip_coefficient) == 1.0 and bool(stats.finite)
+    for g, b in zip(grads, before):
+        assert_same_bits(g, b)  # only read
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("max_norm", [0.5, 3.0, 1e6])
+def test_the_clip_coefficient_is_max_norm_over_the_norm_plus_eps_at_most_one(
+    scaler_class: type, max_norm: float
+) -> None:
+    grads = gradients(2, np.float32)
+    stats = scaler_class(init_scale=4.0).check(grads, max_norm=max_norm)
+    norm = float(stats.norm)
+    assert float(stats.clip_coefficient) == np.float32(min(1.0, max_norm / (norm + 1e-6)))
+    assert float(stats.source["factor"]) == np.float32(0.25) * np.float32(stats.clip_coefficient)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_check_reports_every_nonfinite_gradient_and_the_step_is_skipped(scaler_class: type) -> None:
+    grads = gradients(3, np.float16)
+    grads[1][3] = np.inf
+    grads[3][0] = np.nan
+    scaler = scaler_class()
+    stats = scaler.check({"a": grads[0], "b": grads[1], "c": grads[2], "d": grads[3]})
+    assert not bool(stats.finite) and scaler.had_overflow()
+    assert sorted(scaler.nonfinite_gradients()) == ["b", "d"]
+    assert stats.source["skip"] == 1
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1 and scaler.stats().backoffs == 1
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_check_is_the_steps_only_gradient_call(scaler_class: type) -> None:
+    grads = gradients(4, np.float32)
+    scaler = scaler_class()
+    scaler.check(grads[:2])
+    with pytest.raises(ScalerProtocolError, match="only gradient call"):
+        scaler.check(grads[2:])
+    with pytest.raises(ScalerProtocolError, match="after check"):
+        scaler.unscale_and_check(grads[2:])
+    scaler.update()
+    scaler.unscale_and_check(grads[:2])
+    with pytest.raises(ScalerProtocolError, match="only gradient call"):
+        scaler.check(grads[2:])
+    scaler.update()
+    scaler.check(grads)  # a new step
+    scaler.update()
+    assert scaler.stats().steps == 3
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), 1e39, "1", True, 1e-45])
+def test_an_invalid_max_norm_is_refused_before_anything_happens(scaler_class: type, max_norm: Any) -> None:
+    scaler = scaler_class()
+    with pytest.raises(ConfigError, match="'max_norm'"):
+        scaler.check(gradients(5, np.float32), max_norm=max_norm)
+    scaler.unscale_and_check(gradients(5, np.float32))  # the step was not opened
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_check_with_a_communicator_is_refused_with_a_clear_error(scaler_class: type) -> None:
+    scaler = scaler_class(comm=FakeVote(FakeWorld(1), 0))
+    with pytest.raises(ConfigError, match="communicator"):
+        scaler.check(gradients(6, np.float32))
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_guard_scaler_keeps_scale_one_and_still_skips(scaler_class: type) -> None:
+    scaler = scaler_class.guard()
+    grads = gradients(7, np.float32)
+    for step in range(5):
+        grads[0][0] = np.inf if step == 2 else 1.0
+        stats = scaler.check(grads)
+        assert abs(float(stats.norm) - float64_norm(grads, 1.0)) <= float(np.spacing(stats.norm)) or step == 2
+        scaler.update()
+        assert scaler.scale_factor() == 1.0
+    counters = scaler.stats()
+    assert (counters.skipped_steps, counters.growths, counters.backoffs) == (1, 0, 0)
+
+
+@pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes for bfloat16")
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_bfloat16_is_checked_but_never_scaled_or_unscaled(scaler_class: type) -> None:
+    scaler = scaler_class.guard()
+    grads = gradients(8, BF16)
+    with pytest.raises(GradientTypeError, match="bfloat16 needs no loss scaling"):
+        scaler.scale_loss(np.ones((), BF16))
+    with pytest.raises(GradientTypeError, match="use check"):
+        scaler.unscale_and_check(grads)
+    grads[2][5, 1] = np.inf
+    stats = scaler.check(grads)
+    assert not bool(stats.finite) and scaler.nonfinite_gradients() == [2]
+
+
+def test_a_disabled_scaler_checks_without_scaling_and_records_nothing() -> None:
+    scaler = GradScaler(init_scale=8.0, enabled=False)
+    grads = gradients(9, np.float32)
+    grads[0][0] = np.inf
+    stats = scaler.check(grads, max_norm=1.0)
+    assert not bool(stats.finite) and stats.source["skip"] == 1
+    assert not scaler.had_overflow()
+    scaler.update()
+    assert scaler.stats().steps == 0
