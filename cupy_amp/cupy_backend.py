@@ -668,7 +668,7 @@ _lost_flags: list[_Flags] = []
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
 
 _STATS_GROUPS = 4  # the dtypes a device's gradients can have: one launch, and one range of partials, each
-_STATS_BLOCKS_PER_SM = 4  # 2048 threads per multiprocessor: enough loads in flight to reach bandwidth
+_STATS_BLOCKS_PER_SM = 8  # two waves of resident blocks: one block's start overlaps another's end
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
 
 

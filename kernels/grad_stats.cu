@@ -7,13 +7,14 @@
 namespace cupy_amp {
 
 // A float16's square, exact in float32 (22 significant bits, never subnormal), widened to float64 with
-// integer operations: float64 conversions run at a fraction of the rate of the loads they follow.
+// integer operations only: a float64 conversion runs at a fraction of the rate of the loads it follows
+// (and a branch to one would be predicated, so paid for every element).
 __device__ __forceinline__ double half_square(u16 x) {
     const float f = f16_to_f32(x);
-    const float square = mul_f32(f, f);
-    const u32 b = __float_as_uint(square);
-    if (b == 0u || b >= 0x7f800000u) return widen(square);
-    return __longlong_as_double((long long)(((u64)b << 29) + ((u64)(1023 - 127) << 52)));
+    const u32 b = __float_as_uint(mul_f32(f, f));
+    const u64 normal = ((u64)b << 29) + ((u64)(1023 - 127) << 52);
+    const u64 special = ((u64)(b & 0x007fffffu) << 29) | 0x7ff0000000000000ull;  // inf, or a NaN
+    return __longlong_as_double((long long)(b == 0u ? 0ull : b >= 0x7f800000u ? special : normal));
 }
 
 // Each element's square, exact in float64 for 16- and 32-bit types.
