@@ -53,7 +53,6 @@ with stream:
     outcomes = trainer.read_back(0, steps)  # the one wait of the run
     seconds = time.perf_counter() - start
     state.step = steps
-trainer.sync_state()
 loss, accuracy = trainer.evaluate()
 stats = scaler.stats()
 per_replay = 1e6 * queued / (steps - 1)

@@ -23,7 +23,7 @@ import numpy as np
 
 from cupy_amp._fileio import read_regular_file, write_file_atomic
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.demo.model import Adam, Dataset, load_dataset, parameter_names
+from cupy_amp.demo.model import Dataset, load_dataset, parameter_names
 from cupy_amp.demo.settings import (
     DEFAULT_STEPS,
     DemoError,
@@ -35,7 +35,6 @@ from cupy_amp.demo.settings import (
     show,
 )
 from cupy_amp.demo.training import (
-    ADAM_EPS,
     MODES,
     Device,
     History,
@@ -43,8 +42,11 @@ from cupy_amp.demo.training import (
     StepOutcome,
     Trainer,
     Underflow,
+    make_optimizer,
     make_scaler,
     new_state,
+    optimizer_arrays,
+    restore_optimizer,
     run_steps,
     select_device,
     small_matrix_threads,
@@ -229,8 +231,8 @@ def _print_header(plan: _Plan, reporter: Reporter) -> None:
     reporter.line(f"device   {device}")
     reporter.line(f"data     {plan.dataset.description}, seed {settings.seed}")
     reporter.line(
-        f"model    MLP {sizes}: fp16 weights and activations, fp32 master weights, Adam (lr {settings.lr}), "
-        f"batch {settings.batch_size}"
+        f"model    MLP {sizes}: fp16 weights and activations, fp32 master weights, fused AdamW (lr {settings.lr}, "
+        f"gradient norm clipped at {show(settings.clip)}), batch {settings.batch_size}"
     )
     reporter.line(f"loss     batch-mean cross-entropy x {show(settings.loss_weight)} (--loss-weight)")
     reporter.line(
@@ -480,7 +482,7 @@ def _save_plot(path: str, image_format: str, history: History, others: dict[str,
 # The saved run
 
 
-_FORMAT, _VERSION = "cupy-amp-demo", 1
+_FORMAT, _VERSION = "cupy-amp-demo", 2  # 2: the fused AdamW, and --clip
 _HISTORY = ("loss", "accuracy", "scale", "skipped")
 
 
@@ -499,9 +501,10 @@ class _SavedRun:
         def move(arrays: dict[str, Any]) -> dict[str, Any]:
             return {name: device.xp.asarray(array) for name, array in arrays.items()}
 
-        adam = self.state.adam
-        moved = Adam(lr=adam.lr, eps=adam.eps, m=move(adam.m), v=move(adam.v), t=adam.t)
-        return RunState(step=self.state.step, masters=move(self.state.masters), adam=moved, history=self.state.history)
+        masters = move(self.state.masters)
+        optimizer = make_optimizer(self.settings, masters)
+        optimizer.load_state_dict(self.state.optimizer.state_dict())
+        return RunState(step=self.state.step, masters=masters, optimizer=optimizer, history=self.state.history)
 
 
 def _save_run(
@@ -521,11 +524,10 @@ def _save_run(
         "version": np.array(_VERSION, dtype=np.int64),
         "settings": np.array(json.dumps(document)),
         "step": np.array(state.step, dtype=np.int64),
-        "adam_t": np.array(state.adam.t, dtype=np.int64),
+        **optimizer_arrays(state.optimizer, list(state.masters)),
     }
-    for prefix, group in (("master", state.masters), ("adam_m", state.adam.m), ("adam_v", state.adam.v)):
-        for name, array in group.items():
-            arrays[f"{prefix}/{name}"] = device.to_host(array)
+    for name, array in state.masters.items():
+        arrays[f"master/{name}"] = device.to_host(array)
     for name in _HISTORY:
         arrays[f"history/{name}"] = np.array(getattr(state.history, name), dtype=bool if name == "skipped" else float)
     buffer = io.BytesIO()
@@ -581,5 +583,7 @@ def _parse_run(arrays: dict[str, np.ndarray], checkpoint: GradScalerCheckpoint) 
     def group(prefix: str) -> dict[str, np.ndarray]:
         return {name: arrays[f"{prefix}/{name}"] for name in names}
 
-    adam = Adam(settings.lr, ADAM_EPS * settings.loss_weight, group("adam_m"), group("adam_v"), int(arrays["adam_t"]))
-    return _SavedRun(settings, scaler_settings, checkpoint, RunState(step, group("master"), adam, history))
+    masters = {name: np.array(array, dtype=np.float32) for name, array in group("master").items()}
+    optimizer = make_optimizer(settings, masters)
+    restore_optimizer(optimizer, names, arrays)
+    return _SavedRun(settings, scaler_settings, checkpoint, RunState(step, masters, optimizer, history))

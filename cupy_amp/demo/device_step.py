@@ -1,11 +1,11 @@
 """The demo's amp step with nothing read back: ``--sync-free`` runs it eagerly, ``--graph`` replays it as a CUDA graph.
 
-The same network, data and Adam as :mod:`cupy_amp.demo.training`, with a
+The same network, data and fused AdamW as :mod:`cupy_amp.demo.training`, with a
 :class:`~cupy_amp.SyncFreeGradScaler`, written so that the host never waits:
 every buffer is allocated once (a graph replays fixed addresses), the batch is
-picked on the device from indices uploaded a chunk of steps at a time, Adam
-reads the scaler's verdict on the device and leaves everything untouched after
-an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
+picked on the device from indices uploaded a chunk of steps at a time, AdamW
+reads the scaler's factor and verdict on the device and leaves everything
+untouched after an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
 device records that the host reads once per chunk. CuPy refuses cuBLAS calls
 inside a stream capture, so the matrix products here are small elementwise
 kernels of our own (fp16 inputs, fp32 accumulation, rounded to fp16, as in
@@ -111,30 +111,6 @@ _LOGIT_GRAD = cupy.ElementwiseKernel(
     "cupy_amp_demo_logit_grad",
 )
 _RELU_GRAD = cupy.ElementwiseKernel("T g, T h", "T out", "out = h > (T)0 ? g : (T)0;", "cupy_amp_demo_relu_grad")
-# Adam's step count and bias corrections (1 - beta**t, in float64 as model.Adam computes them), counted
-# only when the scaler's verdict says the step is taken.
-_COUNT_STEP = cupy.ElementwiseKernel(
-    "raw bool finite, float64 beta1, float64 beta2",
-    "int64 step, raw float32 corrections",
-    """
-    if (finite[0]) step += 1;
-    corrections[0] = (float)(1.0 - pow(beta1, (double)step));
-    corrections[1] = (float)(1.0 - pow(beta2, (double)step));
-    """,
-    "cupy_amp_demo_count_step",
-)
-# Adam on one fp32 master, gated by the scaler's verdict: after an overflow nothing is written.
-_ADAM = cupy.ElementwiseKernel(
-    "float32 grad, raw bool finite, raw float32 corrections, float32 lr, float32 eps, float32 beta1, float32 beta2",
-    "float32 param, float32 m, float32 v",
-    """
-    if (!finite[0]) return;
-    m = beta1 * m + (1.0f - beta1) * grad;
-    v = beta2 * v + (1.0f - beta2) * (grad * grad);
-    param -= lr * (m / corrections[0]) / (sqrtf(v / corrections[1]) + eps);
-    """,
-    "cupy_amp_demo_adam",
-)
 # One record per step in a ring of `chunk` slots; then the step counter moves on.
 _RECORD = cupy.ElementwiseKernel(
     "float32 loss, float32 accuracy, float32 scale, raw bool finite, int64 chunk",
@@ -171,8 +147,8 @@ class _Product:
 class DeviceTrainer:
     """Runs the demo's amp steps without host synchronization; reads the records back a chunk at a time.
 
-    ``state`` (the fp32 masters and Adam's moments) is updated in place;
-    :meth:`sync_state` writes Adam's step count back into it, for saving.
+    ``state`` (the fp32 masters and the optimizer, whose state stays on the
+    device) is updated in place.
     With ``graph``, the step is captured once (after one eager step that
     loads every kernel) and each later step is one graph launch.
     """
@@ -218,8 +194,7 @@ class DeviceTrainer:
         self._grads16 = {name: cupy.empty(master.shape, cupy.float16) for name, master in masters.items()}
         self._bias_sums = {name: cupy.empty(master.shape, cupy.float32) for name, master in masters.items()}
         self._master_grads = {name: cupy.zeros_like(master) for name, master in masters.items()}
-        self._adam_step = cupy.full((), state.adam.t, cupy.int64)
-        self._corrections = cupy.empty(2, cupy.float32)
+        self._grad_list = list(self._master_grads.values())  # in the optimizer's parameter order
         self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
         self._prepared = self.scaler.prepare(self._master_grads)
         inputs = [self._x, *self._outputs[:-1]]
@@ -240,7 +215,7 @@ class DeviceTrainer:
 
         Its batch comes from the indices :meth:`upload_batches` put on the device.
         """
-        settings, adam, layers = self.settings, self.state.adam, self._layers
+        settings, layers = self.settings, self._layers
         batch, features = self._x.shape
         _GATHER(
             self._x_train, self._y_train, self._indices, self._counter, self.chunk, batch, features, self._x, self._y
@@ -267,15 +242,14 @@ class DeviceTrainer:
                 _RELU_GRAD(below, self._outputs[i - 2], below)
         for name, grad in self._grads16.items():
             cupy.copyto(self._master_grads[name], grad)  # the scaled fp16 gradients, upcast to fp32
-        finite = self.scaler.unscale_and_check(self._prepared)
-        _COUNT_STEP(finite, adam.beta1, adam.beta2, self._adam_step, self._corrections)
+        # One read of the gradients for inf/nan and the norm; the fused AdamW unscales, clips and updates the
+        # masters in one pass, or leaves everything untouched after an overflow (its verdict stays on the device).
+        stats = self.scaler.check(self._prepared, max_norm=settings.clip * settings.loss_weight)
+        self.state.optimizer.step(self._grad_list, stats)
         for name, master in self.state.masters.items():
-            m, v = adam.m[name], adam.v[name]
-            _ADAM(self._master_grads[name], finite, self._corrections, adam.lr, adam.eps, adam.beta1, adam.beta2,
-                  master, m, v)  # fmt: skip
             cupy.copyto(self._weights[name], master, casting="same_kind")
         self.scaler.update()
-        _RECORD(self._loss, self._accuracy, self._scale, finite, self.chunk, self._counter, *self._records)
+        _RECORD(self._loss, self._accuracy, self._scale, stats.finite, self.chunk, self._counter, *self._records)
 
     def run(
         self, total: int, on_step: Callable[[StepOutcome], None], on_chunk: Callable[[int], None], boundary: int
@@ -304,7 +278,6 @@ class DeviceTrainer:
                     self.state.step = outcome.step
                     self.state.history.append(outcome)
                     on_step(outcome)
-                self.sync_state()
                 on_chunk(self.state.step)
 
     def batches(self, first: int, count: int) -> np.ndarray:
@@ -359,10 +332,6 @@ class DeviceTrainer:
                 )
             )
         return outcomes
-
-    def sync_state(self) -> None:
-        """Write Adam's step count, kept on the device, back into ``state`` (synchronizes)."""
-        self.state.adam.t = int(cupy.asnumpy(self._adam_step, stream=self.stream))
 
     def evaluate(self) -> tuple[float, float]:
         """Return the held-out (loss, accuracy) of the current fp16 weights (synchronizes)."""

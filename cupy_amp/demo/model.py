@@ -5,8 +5,8 @@ scikit-learn's bundled digits; every batch is a function of (seed, step), so
 no random state needs saving. The network: an MLP whose float16 matrix
 products take fp16 inputs, accumulate in fp32 and round to fp16 (what tensor
 cores do), everything else in fp16; softmax and the loss in fp32 from the fp16
-logits; and Adam on fp32 master weights. The dtype of the weights passed in
-decides the precision.
+logits. The dtype of the weights passed in decides the precision (the
+optimizer is cupy_amp.optim.AdamW, on fp32 master weights).
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import numpy as np
 from cupy_amp.demo.settings import DemoError
 
 __all__ = [
-    "Adam",
     "Dataset",
     "Forward",
     "backward",
@@ -222,45 +221,3 @@ def backward(
             activation_grads[f"h{i - 1}"] = g
     ordered = {name: grads[name] for name in parameter_names(layers)}
     return ordered, activation_grads
-
-
-@dataclass
-class Adam:
-    """Adam on float32 master weights, written out by hand.
-
-    ``eps`` scales with the loss weight, so in exact arithmetic the updates do
-    not depend on the loss weight at all; with a power-of-two weight they do
-    not in float32 either.
-    """
-
-    lr: float
-    eps: float
-    m: dict[str, Any]
-    v: dict[str, Any]
-    t: int = 0
-    beta1: float = 0.9
-    beta2: float = 0.999
-
-    @classmethod
-    def zeros_like(cls, xp: Any, params: Mapping[str, Any], lr: float, eps: float) -> Adam:
-        """Start with zero moments for every parameter."""
-        return cls(
-            lr=lr,
-            eps=eps,
-            m={name: xp.zeros_like(p) for name, p in params.items()},
-            v={name: xp.zeros_like(p) for name, p in params.items()},
-        )
-
-    def step(self, xp: Any, params: Mapping[str, Any], grads: Mapping[str, Any]) -> None:
-        """Update ``params`` in place from float32 ``grads`` (call only on steps that are taken)."""
-        self.t += 1
-        correction1 = 1.0 - self.beta1**self.t
-        correction2 = 1.0 - self.beta2**self.t
-        for name, param in params.items():
-            grad, m, v = grads[name], self.m[name], self.v[name]
-            m *= np.float32(self.beta1)
-            m += np.float32(1.0 - self.beta1) * grad
-            v *= np.float32(self.beta2)
-            v += np.float32(1.0 - self.beta2) * (grad * grad)
-            denominator = xp.sqrt(v / np.float32(correction2)) + np.float32(self.eps)
-            param -= np.float32(self.lr) * (m / np.float32(correction1)) / denominator

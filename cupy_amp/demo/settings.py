@@ -63,6 +63,7 @@ class Settings:
     lr: float = 0.005
     loss_weight: float = 2.0**-13
     hidden: tuple[int, ...] = (64, 64)
+    clip: float = 0.5  # the largest global gradient norm of the (unweighted) loss; larger ones are scaled down
 
 
 DEFAULTS = Settings()
@@ -93,6 +94,7 @@ def check_settings(settings: Settings) -> str | None:
         "batch_size": integer(settings.batch_size, 1),
         "lr": positive(settings.lr),
         "loss_weight": positive(settings.loss_weight),
+        "clip": positive(settings.clip) and settings.clip * settings.loss_weight >= 2.0**-126,
         "hidden": type(settings.hidden) is tuple
         and 0 < len(settings.hidden) <= 8
         and all(integer(width, 1) and width <= 4096 for width in settings.hidden),
@@ -138,16 +140,18 @@ def _integer(minimum: int) -> Callable[[str], int]:
 DESCRIPTION = """\
 Train a small classifier in float16 with the loss scaler, as a hand-written
 NumPy/CuPy training loop: fp16 weights and activations, fp32 master weights
-updated by Adam, and the scaler around the backward pass. Runs on the CPU
-(NumPy) or, when CuPy finds a usable GPU, on the GPU; needs no download.
+updated by cupy-amp's fused AdamW, and the scaler around the backward pass: one
+read-only check of the gradients (inf/nan and their global norm), then one
+pass that unscales, clips (--clip) and updates, or skips the step. Runs on the
+CPU (NumPy) or, when CuPy finds a usable GPU, on the GPU; needs no download.
 
 The model is small, so its gradients are naturally far above float16's
 smallest value (2**-24); large models' gradients are not, because their loss
 is averaged over millions of tokens and their backward passes are long. To
 show what the scaler is for, the loss is multiplied by --loss-weight (default
-2**-13), which shifts every gradient down by 2**13 into that regime. Adam does
-not care (its epsilon is scaled too, so fp32 training is unchanged), but
-float16 without loss scaling does: see --compare.
+2**-13), which shifts every gradient down by 2**13 into that regime. AdamW does
+not care (its epsilon and the clip threshold are scaled too), but float16
+without loss scaling does: see --compare.
 """
 
 EPILOG = """\
@@ -193,7 +197,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"examples per step, drawn as a function of (seed, step) (default: {DEFAULTS.batch_size})",
     )
     run.add_argument("--seed", type=_integer(0), metavar="N", help="data, initialization and batches (default: 0)")
-    run.add_argument("--lr", type=number, metavar="X", help=f"Adam's learning rate (default: {DEFAULTS.lr})")
+    run.add_argument("--lr", type=number, metavar="X", help=f"AdamW's learning rate (default: {DEFAULTS.lr})")
+    run.add_argument(
+        "--clip",
+        type=number,
+        metavar="X",
+        help="clip the global gradient norm of the loss at X, inside the fused optimizer's update "
+        f"(default: {DEFAULTS.clip})",
+    )
     run.add_argument(
         "--loss-weight",
         type=number,
@@ -245,7 +256,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         metavar="DIR",
         help="save checkpoints here: scaler.ckpt (GradScalerCheckpoint) and state.npz (fp32 master weights, "
-        "Adam state, step, loss history), written atomically (default: the --resume directory, else none)",
+        "optimizer state, step, loss history), written atomically (default: the --resume directory, else none)",
     )
     output.add_argument(
         "--save-every", type=positive_int, default=100, metavar="N", help="save every N steps and at the end (100)"
@@ -272,7 +283,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-_SETTINGS_FLAGS = {"data": "data", "seed": "seed", "batch_size": "batch-size", "lr": "lr", "loss_weight": "loss-weight"}
+_SETTINGS_FLAGS = {
+    "data": "data",
+    "seed": "seed",
+    "batch_size": "batch-size",
+    "lr": "lr",
+    "loss_weight": "loss-weight",
+    "clip": "clip",
+}
 _SCALER_FLAGS = {field.name: field.name.replace("_", "-") for field in fields(ScalerSettings)}
 
 

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.demo.model import Adam, Dataset, Forward, backward, batch_indices, cross_entropy, forward, init_params
+from cupy_amp.demo.model import Dataset, Forward, backward, batch_indices, cross_entropy, forward, init_params
 from cupy_amp.demo.settings import DemoError, ScalerSettings, Settings
+from cupy_amp.optim import AdamW
 from cupy_amp.scaler import GradScaler
 
 __all__ = [
@@ -28,8 +29,11 @@ __all__ = [
     "StepOutcome",
     "Trainer",
     "Underflow",
+    "make_optimizer",
     "make_scaler",
     "new_state",
+    "optimizer_arrays",
+    "restore_optimizer",
     "run_steps",
     "select_device",
     "small_matrix_threads",
@@ -160,12 +164,48 @@ class Underflow:
 
 @dataclass
 class RunState:
-    """Everything besides the scaler that a resumed run needs: masters, Adam, step, history."""
+    """Everything besides the scaler that a resumed run needs: masters, the optimizer, step, history.
+
+    The optimizer updates the masters (its parameters) in place.
+    """
 
     step: int
     masters: dict[str, Any]
-    adam: Adam
+    optimizer: AdamW
     history: History
+
+
+def make_optimizer(settings: Settings, masters: dict[str, Any]) -> AdamW:
+    """Return the fused AdamW over the fp32 masters (no weight decay: Adam), epsilon scaled by the loss weight."""
+    return AdamW(list(masters.values()), lr=settings.lr, eps=ADAM_EPS * settings.loss_weight, weight_decay=0.0)
+
+
+def optimizer_arrays(optimizer: AdamW, names: list[str]) -> dict[str, np.ndarray]:
+    """Return the optimizer's moments (``adam_m/<name>``, ``adam_v/<name>``) and step count (``adam_t``)."""
+    state = optimizer.state_dict()
+    arrays = {"adam_t": np.array(state["record"]["step"], dtype=np.int64)}
+    for prefix, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq")):
+        for name, data, param in zip(names, state["buffers"][key], optimizer.params):
+            arrays[f"{prefix}/{name}"] = np.frombuffer(data, dtype=np.float32).reshape(param.shape)
+    return arrays
+
+
+def restore_optimizer(optimizer: AdamW, names: list[str], arrays: dict[str, np.ndarray]) -> None:
+    """Load moments and step count from :func:`optimizer_arrays`' keys (the masters are its parameters already).
+
+    The powers beta ** step are rebuilt as the optimizer builds them, one product per step.
+    """
+    state = optimizer.state_dict()
+    step = int(arrays["adam_t"])
+    record = state["record"]
+    beta1_power = beta2_power = 1.0
+    for _ in range(step):
+        beta1_power *= record["beta1"]
+        beta2_power *= record["beta2"]
+    record.update(step=step, beta1_power=beta1_power, beta2_power=beta2_power)
+    for prefix, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq")):
+        state["buffers"][key] = [np.asarray(arrays[f"{prefix}/{name}"], dtype=np.float32).tobytes() for name in names]
+    optimizer.load_state_dict(state)
 
 
 @dataclass(frozen=True)
@@ -205,12 +245,11 @@ def make_scaler(mode: str, scaler: ScalerSettings) -> GradScaler | None:
 
 
 def new_state(device: Device, settings: Settings, dataset: Dataset) -> RunState:
-    """Initialize the fp32 master weights and Adam's moments on ``device``."""
+    """Initialize the fp32 master weights and the optimizer on ``device``."""
     xp = device.xp
     sizes = [dataset.features, *settings.hidden, dataset.classes]
     masters = {name: xp.asarray(value) for name, value in init_params(sizes, settings.seed).items()}
-    adam = Adam.zeros_like(xp, masters, settings.lr, ADAM_EPS * settings.loss_weight)
-    return RunState(step=0, masters=masters, adam=adam, history=History())
+    return RunState(step=0, masters=masters, optimizer=make_optimizer(settings, masters), history=History())
 
 
 class Trainer:
@@ -238,8 +277,12 @@ class Trainer:
         self._x_train, self._y_train = xp.asarray(dataset.x_train), xp.asarray(dataset.y_train)
         self._x_eval, self._y_eval = xp.asarray(dataset.x_eval), xp.asarray(dataset.y_eval)
         self._dtype = np.float32 if mode == "fp32" else np.float16
-        # The fp32 master gradients: allocated once, so the scaler sees the same arrays every step.
+        # The fp32 master gradients: allocated once, so the scaler and the optimizer see the same arrays every step.
         self._master_grads = {name: xp.zeros_like(p) for name, p in state.masters.items()}
+        self._grad_list = list(self._master_grads.values())  # in the optimizer's parameter order
+        # fp32 runs scale nothing but still skip non-finite steps and clip: a scaler whose scale stays 1.
+        self._guard = GradScaler.guard()
+        self._max_norm = settings.clip * settings.loss_weight  # the clip threshold, for the weighted loss
         self._weights = self._working_weights()
 
     def _working_weights(self) -> dict[str, Any]:
@@ -274,10 +317,13 @@ class Trainer:
         grads16, activation_grads = backward(xp, weights, fwd, y, scale * self.settings.loss_weight)
         for name, grad in grads16.items():
             self._master_grads[name][...] = grad  # upcast the scaled fp16 gradients into fp32 master gradients
-        finite = scaler.unscale_and_check(self._master_grads)  # divide by the scale; inf/nan anywhere -> False
+        # One read of the gradients: inf/nan anywhere, and the norm for clipping (of the unscaled gradients).
+        stats = scaler.check(self._master_grads, max_norm=self._max_norm)
+        # Unscale, clip and update the fp32 masters in one pass; after an overflow it changes nothing.
+        self.state.optimizer.step(self._grad_list, stats)
+        finite = bool(stats.finite)
         if finite:
-            self.state.adam.step(xp, self.state.masters, self._master_grads)  # update the fp32 masters
-            self._weights = self._working_weights()  # and refresh their fp16 copies
+            self._weights = self._working_weights()  # refresh the fp16 copies
             if self.underflow is not None:
                 self._count_underflow(self.underflow, weights, fwd, y, (grads16, activation_grads))
         before = scaler.stats()
@@ -300,13 +346,17 @@ class Trainer:
         fwd = forward(xp, self.state.masters, x)
         mean_loss = cross_entropy(xp, fwd.probs, y)
         grads, _ = backward(xp, self.state.masters, fwd, y, self.settings.loss_weight)
-        self.state.adam.step(xp, self.state.masters, grads)
+        for name, grad in grads.items():
+            self._master_grads[name][...] = grad
+        stats = self._guard.check(self._master_grads, max_norm=self._max_norm)
+        self.state.optimizer.step(self._grad_list, stats)
+        self._guard.update()
         return StepOutcome(
             step=self.state.step + 1,
             loss=float(mean_loss),
             accuracy=float((fwd.probs.argmax(axis=1) == y).mean()),
             scale=1.0,
-            skipped=False,
+            skipped=not bool(stats.finite),
         )
 
     def _count_underflow(
