@@ -128,9 +128,12 @@ def _events_after(text: str, step: int) -> list[str]:
 
 def test_resume_refuses_flags_that_disagree_with_the_run(uninterrupted: tuple[Path, Result]) -> None:
     directory, _ = uninterrupted
-    result = demo("--resume", str(directory), "--steps", str(STEPS + 10), "--lr", "0.1", "--init-scale", "2**20")
+    result = demo(
+        "--resume", str(directory), "--steps", str(STEPS + 10), "--lr", "0.1", "--init-scale", "2**20", "--clip", "4"
+    )
     assert result.status == 2
     assert "--lr 0.1 (the run has 0.005)" in result.err
+    assert "--clip 2**2 (the run has 2**-1)" in result.err
     assert "--init-scale 2**20 (the run has 2**36)" in result.err
     assert "Traceback" not in result.err
 
@@ -305,6 +308,18 @@ def test_fp32_training_does_not_depend_on_a_power_of_two_loss_weight() -> None:
         assert value.tobytes() == masters[1][1][name].tobytes(), name
 
 
+def test_clipping_happens_inside_the_fused_update_when_the_norm_exceeds_clip() -> None:
+    """The default clip scales a few steps' gradients down; a clip above every norm changes nothing at all."""
+    default, loose, tight = (
+        demo("--steps", "120"),
+        demo("--steps", "120", "--clip", "1e9"),
+        demo("--steps", "120", "--clip", "0.05"),
+    )
+    assert default.status == loose.status == tight.status == 0
+    final = [_line(result.out, "eval") for result in (default, loose, tight)]
+    assert final[0] != final[2] and final[1] != final[2]
+
+
 def test_a_disabled_scaler_makes_the_loop_plain_fp16() -> None:
     device, _ = select_device("cpu")
     from cupy_amp.demo.model import load_dataset
@@ -401,6 +416,7 @@ def test_the_example_script_trains(tmp_path: Path) -> None:
         ("run", "seed", "/etc/passwd", "seed='/etc/passwd'"),
         ("run", "hidden", [64, -1], "hidden=(64, -1)"),
         ("run", "data", "imagenet", "data='imagenet'"),
+        ("run", "clip", -1.0, "clip=-1.0"),
         ("scaler", "init_scale", float("nan"), "Invalid 'init_scale'"),
         ("scaler", "growth_interval", 0, "Invalid 'growth_interval'"),
     ],
