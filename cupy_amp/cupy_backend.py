@@ -714,16 +714,17 @@ class DeviceStats:
         The kernels set ``*found`` (an int) and ``*finite`` (if not 0) on inf/nan;
         with a ``state`` (a State's address) its epoch, scale and verdict are used.
         """
-        partials = self.address + STATS.itemsize
-        for index, group in enumerate(plan or ()):
-            if group.table.stats is not None:
+        partials, written = self.address + STATS.itemsize, 0
+        for group in plan or ():
+            if group.table.stats is not None:  # its blocks' sums go right after the previous launch's
                 grid = min(group.table.chunk_count, self._grid)
                 group.table.stats(
-                    grid, stream.ptr, partials=partials + 8 * index * self._grid, found=found, finite=finite,
-                    state=state, epoch=epoch,
+                    grid, stream.ptr, partials=partials + 8 * written, found=found, finite=finite, state=state,
+                    epoch=epoch,
                 )  # fmt: skip
+                written += grid
         self._finish(
-            1, stream.ptr, stats=self.address, partials=partials, partial_count=self._partial_count, state=state,
+            1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
             inv_scale=inv_scale, max_norm=np.float32(max_norm),
         )  # fmt: skip
 

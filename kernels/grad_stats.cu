@@ -6,33 +6,51 @@
 
 namespace cupy_amp {
 
-// A float16's square, exact in float32 (22 significant bits, never subnormal), widened to float64 with
-// integer operations only: a float64 conversion runs at a fraction of the rate of the loads it follows
-// (and a branch to one would be predicated, so paid for every element).
-__device__ __forceinline__ double half_square(u16 x) {
-    const float f = f16_to_f32(x);
-    const u32 b = __float_as_uint(mul_f32(f, f));
-    const u64 normal = ((u64)b << 29) + ((u64)(1023 - 127) << 52);
-    const u64 special = ((u64)(b & 0x007fffffu) << 29) | 0x7ff0000000000000ull;  // inf, or a NaN
-    return __longlong_as_double((long long)(b == 0u ? 0ull : b >= 0x7f800000u ? special : normal));
-}
+// Per-thread sums of squares. float16, bfloat16 and float32 squares are exact in float64, and summed there
+// (a float64 conversion and a float64 add per element). float16 squares are also exact in float32 and never
+// subnormal there, so they are summed as a float32 pair instead (TwoSum keeps each addition's rounding
+// error: about 48 bits), because float64 conversions run at an eighth of the float32 rate and would make
+// a float16 pass compute-bound. Either way the result is within far less than a float32 ulp of the exact
+// sum, and is the same on every run.
+struct DoubleSum {
+    double sum = 0.0;
+    template <class Type>
+    __device__ __forceinline__ void add(typename Type::bits x) {
+        const double d = Type::value(x);
+        sum = __dadd_rn(sum, __dmul_rn(d, d));
+    }
+    __device__ __forceinline__ double total() const { return sum; }
+};
 
-// Each element's square, exact in float64 for 16- and 32-bit types.
+struct PairSum {
+    float high = 0.0f, low = 0.0f;
+    template <class Type>
+    __device__ __forceinline__ void add(u16 x) {
+        const float f = f16_to_f32(x);
+        const float square = mul_f32(f, f);
+        const float sum = add_f32(high, square);
+        const float virtual_high = sub_f32(sum, square);
+        const float error = add_f32(sub_f32(high, virtual_high), sub_f32(square, sub_f32(sum, virtual_high)));
+        high = sum;
+        low = add_f32(low, error);
+    }
+    __device__ __forceinline__ double total() const { return __dadd_rn(widen(high), widen(low)); }
+};
+
 template <class Type>
-__device__ __forceinline__ double square(typename Type::bits x) {
-    const double d = Type::value(x);
-    return __dmul_rn(d, d);
-}
+struct SumOf {
+    typedef DoubleSum type;
+};
 
 template <>
-__device__ __forceinline__ double square<Half>(u16 x) {
-    return half_square(x);
-}
+struct SumOf<Half> {
+    typedef PairSum type;
+};
 
 // Elements [first, last) of a dense tensor: a scalar head up to 16-byte alignment, 16-byte vectors
 // (kUnroll loads in flight per thread, streaming: every byte is read once), a scalar tail.
 template <class Type>
-__device__ bool read_dense(u64 base, long long first, long long last, double& sum) {
+__device__ bool read_dense(u64 base, long long first, long long last, typename SumOf<Type>::type& sum) {
     typedef typename Type::bits bits;
     const int vec = 16 / sizeof(bits);
     const bits* data = reinterpret_cast<const bits*>(base);
@@ -44,7 +62,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
     for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum = __dadd_rn(sum, square<Type>(x));
+        sum.template add<Type>(x);
     }
 
     union Vector {
@@ -66,7 +84,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
             if (index < vectors) {
                 bad |= Type::vector_nonfinite(loaded[k].raw);
 #pragma unroll
-                for (int lane = 0; lane < vec; ++lane) sum = __dadd_rn(sum, square<Type>(loaded[k].lanes[lane]));
+                for (int lane = 0; lane < vec; ++lane) sum.template add<Type>(loaded[k].lanes[lane]);
             }
         }
     }
@@ -74,13 +92,14 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
     for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum = __dadd_rn(sum, square<Type>(x));
+        sum.template add<Type>(x);
     }
     return bad;
 }
 
 template <class Type>
-__device__ bool read_range(u64 base, const long long* layout, long long first, long long last, double& sum) {
+__device__ bool read_range(u64 base, const long long* layout, long long first, long long last,
+                           typename SumOf<Type>::type& sum) {
     if (layout == nullptr) return read_dense<Type>(base, first, last, sum);
     const long long* staged = stage_layout(layout);
     const typename Type::bits* origin = reinterpret_cast<const typename Type::bits*>(base);
@@ -88,7 +107,7 @@ __device__ bool read_range(u64 base, const long long* layout, long long first, l
     for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
         const typename Type::bits x = origin[strided_offset(staged, i)];
         bad |= Type::nonfinite(x);
-        sum = __dadd_rn(sum, square<Type>(x));
+        sum.template add<Type>(x);
     }
     return bad;
 }
@@ -99,7 +118,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
     const State* state = reinterpret_cast<const State*>(args.state);
     const u64 epoch = state != nullptr ? state->epoch : args.epoch;
-    double sum = 0.0;
+    typename SumOf<Type>::type sum;
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
@@ -110,19 +129,16 @@ __device__ void gradient_stats(const StatsArgs& args) {
             *reinterpret_cast<volatile int*>(args.found) = 1;
         }
     }
-    const double total = block_sum(sum);
+    const double total = block_sum(sum.total());
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
 }
 
 // The step's statistics from the blocks' partial sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
-    double* partials = reinterpret_cast<double*>(args.partials);
+    const double* partials = reinterpret_cast<const double*>(args.partials);
     double sum = 0.0;
-    for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) {
-        sum = __dadd_rn(sum, partials[i]);
-        partials[i] = 0.0;  // blocks of the next step's launches write only their own
-    }
+    for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
     const double total = block_sum(sum);
     if (threadIdx.x != 0) return;
     Stats* stats = reinterpret_cast<Stats*>(args.stats);

@@ -31,7 +31,8 @@ import cupy
 import numpy as np
 from bench_unscale import copy_timer, environment, gpt2_shapes, hide_host_latency, interleaved_medians
 
-from cupy_amp import GradientSet, SyncFreeGradScaler
+from cupy_amp import GradientSet, SyncFreeGradScaler, cupy_backend
+from cupy_amp.gradients import parse_gradients
 from cupy_amp.optim import SGD, AdamW
 
 COPY_BYTES = 2 * 4 * 2**29  # what copy_timer moves: 2 GiB read, 2 GiB written
@@ -116,6 +117,27 @@ def stats_timer(grads: list[cupy.ndarray]) -> tuple[Callable[[int], float], Call
     return timed, run
 
 
+def stats_kernels_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
+    """Return a timer of the statistics kernels alone (the per-dtype launches and the finishing block).
+
+    Reaches into the scaler's device state for its launches: what ``check()``
+    adds around them is one one-thread kernel that opens the step.
+    """
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    prepared = scaler.prepare(grads)
+    scaler.check(prepared)
+    scaler.update()
+    state = scaler._state
+    call = parse_gradients(prepared)
+    found = state.address + cupy_backend._FOUND_OFFSET
+
+    def run(i: int) -> None:
+        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), found=found, finite=0, state=state.address,
+                           epoch=0, inv_scale=np.float32(1), max_norm=1.0)  # fmt: skip
+
+    return cupy_event_timer(run)
+
+
 def optimizer_timer(kind: str, shapes: list[tuple[int, ...]]) -> Callable[[int], float]:
     params = arrays(shapes, "float16", 1)
     grads = GradientSet(arrays(shapes, "float16", 2))
@@ -191,17 +213,24 @@ def main(argv: list[str] | None = None) -> int:
     for name, (shapes, dtype) in STATS_WORKLOADS.items():
         grads = arrays(shapes, dtype, 0)
         timer, run = stats_timer(grads)
-        medians = interleaved_medians({"copy": copy, "stats": timer}, args.repeats)
+        medians = interleaved_medians(
+            {"copy": copy, "stats": timer, "kernels": stats_kernels_timer(grads)}, args.repeats
+        )
         bandwidth = COPY_BYTES / medians["copy"]  # bytes per microsecond
         floor = sum(g.nbytes for g in grads) / bandwidth
         host = host_us(run, args.repeats)
         results["stats"][name] = {
             "us": medians["stats"], "floor_us": floor, "fraction": floor / medians["stats"], "host_us": host,
+            "kernels_us": medians["kernels"], "kernels_fraction": floor / medians["kernels"],
         }  # fmt: skip
         del grads
         cupy.get_default_memory_pool().free_all_blocks()
         us = medians["stats"]
-        print(f"stats {name:16s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}  host {host:.1f} us")
+        kernels = medians["kernels"]
+        print(
+            f"stats {name:16s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}  "
+            f"kernels alone {kernels:.1f} us ({floor / kernels:.3f})  host {host:.1f} us"
+        )
 
     for name, shapes in OPTIMIZER_WORKLOADS.items():
         elements = sum(int(np.prod(shape)) for shape in shapes)
