@@ -216,7 +216,8 @@ def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eage
 
     eager = run(captured=False)
     graph = run(captured=True)
-    assert graph[1] == eager[1] and graph[2] == eager[2]
+    assert graph[1] == eager[1]
+    assert np.array(graph[2], np.float32).tobytes() == np.array(eager[2], np.float32).tobytes()  # NaN after inf
     assert eager[1][-2]["skipped_steps"] >= 3 and eager[1][-1]["optimizer_steps"] == 30 - eager[1][-2]["skipped_steps"]
     assert_same_bits(graph[0], eager[0])
 
