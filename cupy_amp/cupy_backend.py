@@ -667,15 +667,7 @@ _lost_flags: list[_Flags] = []
 
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
 
-_STATS_GROUPS = 4  # the dtypes a device's gradients can have: one launch, and one range of partials, each
-_STATS_BLOCKS_PER_SM = 8  # two waves of resident blocks: one block's start overlaps another's end
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _stats_grid() -> int:
-    """Return the blocks of every statistics launch on the current device: fixed, so the sums' order is too."""
-    return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
@@ -684,7 +676,7 @@ def _finish_launcher() -> _Launcher:
 
 
 class DeviceStats:
-    """A scaler's Stats record and the statistics launches' partial sums, on one device.
+    """A scaler's Stats record and the chunks' sums of squares, on one device.
 
     The record is reused step after step (so a captured step keeps reading it):
     its views hold the latest ``check()``'s values.
@@ -693,10 +685,9 @@ class DeviceStats:
     def __init__(self, device: int, finite: Any) -> None:
         self.device = device
         with _on_device(device):
-            self._grid = _stats_grid()
             self._finish = _finish_launcher()  # loaded now, not inside a capture
-            self._partial_count = _STATS_GROUPS * self._grid
-            self._memory = cupy.zeros(STATS.itemsize + 8 * self._partial_count, dtype=np.uint8)
+            self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
+            self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per chunk; grows outside captures
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
@@ -707,6 +698,14 @@ class DeviceStats:
         offset = _STATS_FIELDS[name]
         return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
 
+    def reserve(self, plan: tuple[_Group, ...] | None) -> None:
+        """Make room for one sum per chunk of ``plan`` (refused inside a CUDA graph capture)."""
+        chunks = sum(group.table.chunk_count for group in plan or ())
+        if chunks > self._partials.size:
+            refuse_capture("the statistics buffer must first grow to these gradients' size")
+            with _on_device(self.device):
+                self._partials = cupy.zeros(chunks, dtype=np.float64)
+
     def gather(self, plan: tuple[_Group, ...], stream: Any, *, found: int, finite: int, state: int, epoch: int,
                inv_scale: np.float32, max_norm: float) -> None:  # fmt: skip
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
@@ -714,15 +713,15 @@ class DeviceStats:
         The kernels set ``*found`` (an int) and ``*finite`` (if not 0) on inf/nan;
         with a ``state`` (a State's address) its epoch, scale and verdict are used.
         """
-        partials, written = self.address + STATS.itemsize, 0
+        self.reserve(plan)
+        partials, written = int(self._partials.data.ptr), 0
         for group in plan or ():
-            if group.table.stats is not None:  # its blocks' sums go right after the previous launch's
-                grid = min(group.table.chunk_count, self._grid)
+            if group.table.stats is not None:  # its chunks' sums go right after the previous launch's
                 group.table.stats(
-                    grid, stream.ptr, partials=partials + 8 * written, found=found, finite=finite, state=state,
-                    epoch=epoch,
+                    min(group.table.chunk_count, _MAX_GRID), stream.ptr, partials=partials + 8 * written,
+                    found=found, finite=finite, state=state, epoch=epoch,
                 )  # fmt: skip
-                written += grid
+                written += group.table.chunk_count
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
             inv_scale=inv_scale, max_norm=np.float32(max_norm),
@@ -960,6 +959,10 @@ class DeviceState:
                     group.table.launch(
                         grid, stream.ptr, inv_scale=0, epoch=0, found=found, finite=finite, state=self.address
                     )
+
+    def prepare(self, call: Any) -> None:
+        """Get everything a captured step with ``call``'s arrays needs (the statistics buffer)."""
+        self.stats.reserve(call.plan)
 
     def check(self, call: Any, max_norm: float) -> None:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.

@@ -157,6 +157,9 @@ class HostState:
             self.mark_overflow()
         return culprits
 
+    def prepare(self, call: Any) -> None:
+        """Nothing to set aside on the host."""
+
     def check(self, call: Any, max_norm: float) -> tuple[int, ...]:
         """Fill the statistics record from a parsed call's arrays; return the positions of those that held inf/nan."""
         culprits = host_stats(self.stats.record, call.arrays, inverse_scale(self._state.scale), max_norm)

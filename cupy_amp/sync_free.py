@@ -118,7 +118,7 @@ class SyncFreeGradScaler:
         with self._order:
             call = parse_gradients(gradient_set, one_device=True)
             if call.backend is not None:
-                self._state_for(call.backend, call.footprints[0].device)
+                self._state_for(call.backend, call.footprints[0].device).prepare(call)
         return gradient_set
 
     def _state_for(self, backend: types.ModuleType, device: int) -> Any:

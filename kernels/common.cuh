@@ -106,7 +106,7 @@ struct StatsArgs {
     u64 chunks;  // const Chunk[chunk_count], as for UnscaleArgs
     u64 layouts;
     long long chunk_count;
-    u64 partials;  // double per block: each block's sum of squares
+    u64 partials;  // double per chunk: each chunk's sum of squares
     u64 found;     // int, set to 1 if any element was inf/nan
     u64 finite;    // 0, or an unsigned char set to 0 if any element was inf/nan
     u64 tensor_found;
@@ -472,10 +472,11 @@ __device__ bool apply_range(u64 base, const long long* layout, long long first, 
 }
 
 // The sum of `x` over the block, in a fixed order (the same bits every run); valid in thread 0.
-// Must be reached by every thread, at most once per kernel.
+// Must be reached by every thread of the block.
 __device__ __forceinline__ double block_sum(double x) {
     __shared__ double warp_sums[CUPY_AMP_THREADS / 32];
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+    __syncthreads();  // a previous call may still be reading `warp_sums`
     for (int offset = 16; offset > 0; offset /= 2) x = __dadd_rn(x, __shfl_down_sync(0xffffffffu, x, offset));
     if (lane == 0) warp_sums[warp] = x;
     __syncthreads();

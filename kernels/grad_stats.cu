@@ -1,56 +1,16 @@
 // Read-only statistics of the gradients: one launch per dtype reads every element once and records
-// which tensors held inf/nan and each block's sum of squares (in float64, so no finite gradient can
-// overflow it); then one block sums the partials in index order (the same bits on every run: no float
-// atomics) and derives the norm, the clip coefficient and the optimizers' factor on the device.
+// which tensors held inf/nan and each chunk's sum of squares (in float64: the squares of float16,
+// bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
+// block sums the chunks' sums in index order and derives the norm, the clip coefficient and the
+// optimizers' factor on the device. No float atomics: the same bits on every run, on any GPU.
 #include "common.cuh"
 
 namespace cupy_amp {
 
-// Per-thread sums of squares. float16, bfloat16 and float32 squares are exact in float64, and summed there
-// (a float64 conversion and a float64 add per element). float16 squares are also exact in float32 and never
-// subnormal there, so they are summed as a float32 pair instead (TwoSum keeps each addition's rounding
-// error: about 48 bits), because float64 conversions run at an eighth of the float32 rate and would make
-// a float16 pass compute-bound. Either way the result is within far less than a float32 ulp of the exact
-// sum, and is the same on every run.
-struct DoubleSum {
-    double sum = 0.0;
-    template <class Type>
-    __device__ __forceinline__ void add(typename Type::bits x) {
-        const double d = Type::value(x);
-        sum = __dadd_rn(sum, __dmul_rn(d, d));
-    }
-    __device__ __forceinline__ double total() const { return sum; }
-};
-
-struct PairSum {
-    float high = 0.0f, low = 0.0f;
-    template <class Type>
-    __device__ __forceinline__ void add(u16 x) {
-        const float f = f16_to_f32(x);
-        const float square = mul_f32(f, f);
-        const float sum = add_f32(high, square);
-        const float virtual_high = sub_f32(sum, square);
-        const float error = add_f32(sub_f32(high, virtual_high), sub_f32(square, sub_f32(sum, virtual_high)));
-        high = sum;
-        low = add_f32(low, error);
-    }
-    __device__ __forceinline__ double total() const { return __dadd_rn(widen(high), widen(low)); }
-};
-
-template <class Type>
-struct SumOf {
-    typedef DoubleSum type;
-};
-
-template <>
-struct SumOf<Half> {
-    typedef PairSum type;
-};
-
 // Elements [first, last) of a dense tensor: a scalar head up to 16-byte alignment, 16-byte vectors
 // (kUnroll loads in flight per thread, streaming: every byte is read once), a scalar tail.
 template <class Type>
-__device__ bool read_dense(u64 base, long long first, long long last, typename SumOf<Type>::type& sum) {
+__device__ bool read_dense(u64 base, long long first, long long last, double& sum) {
     typedef typename Type::bits bits;
     const int vec = 16 / sizeof(bits);
     const bits* data = reinterpret_cast<const bits*>(base);
@@ -62,7 +22,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, typename S
     for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum.template add<Type>(x);
+        sum = fma(Type::value(x), Type::value(x), sum);
     }
 
     union Vector {
@@ -84,7 +44,10 @@ __device__ bool read_dense(u64 base, long long first, long long last, typename S
             if (index < vectors) {
                 bad |= Type::vector_nonfinite(loaded[k].raw);
 #pragma unroll
-                for (int lane = 0; lane < vec; ++lane) sum.template add<Type>(loaded[k].lanes[lane]);
+                for (int lane = 0; lane < vec; ++lane) {
+                    const double d = Type::value(loaded[k].lanes[lane]);
+                    sum = fma(d, d, sum);
+                }
             }
         }
     }
@@ -92,14 +55,13 @@ __device__ bool read_dense(u64 base, long long first, long long last, typename S
     for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
-        sum.template add<Type>(x);
+        sum = fma(Type::value(x), Type::value(x), sum);
     }
     return bad;
 }
 
 template <class Type>
-__device__ bool read_range(u64 base, const long long* layout, long long first, long long last,
-                           typename SumOf<Type>::type& sum) {
+__device__ bool read_range(u64 base, const long long* layout, long long first, long long last, double& sum) {
     if (layout == nullptr) return read_dense<Type>(base, first, last, sum);
     const long long* staged = stage_layout(layout);
     const typename Type::bits* origin = reinterpret_cast<const typename Type::bits*>(base);
@@ -107,7 +69,7 @@ __device__ bool read_range(u64 base, const long long* layout, long long first, l
     for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
         const typename Type::bits x = origin[strided_offset(staged, i)];
         bad |= Type::nonfinite(x);
-        sum.template add<Type>(x);
+        sum = fma(Type::value(x), Type::value(x), sum);
     }
     return bad;
 }
@@ -118,22 +80,22 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
     const State* state = reinterpret_cast<const State*>(args.state);
     const u64 epoch = state != nullptr ? state->epoch : args.epoch;
-    typename SumOf<Type>::type sum;
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
+        double sum = 0.0;
         bool bad = read_range<Type>(chunk.address, layout, chunk.first, chunk.last, sum);
+        const double total = block_sum(sum);
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
             reinterpret_cast<u64*>(args.tensor_found)[chunk.tensor] = epoch;
             if (args.finite != 0) *reinterpret_cast<unsigned char*>(args.finite) = 0;
             *reinterpret_cast<volatile int*>(args.found) = 1;
         }
+        if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[c] = total;
     }
-    const double total = block_sum(sum.total());
-    if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
 }
 
-// The step's statistics from the blocks' partial sums (one block): the norm of the unscaled gradients,
+// The step's statistics from the chunks' sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
     const double* partials = reinterpret_cast<const double*>(args.partials);

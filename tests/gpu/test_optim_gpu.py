@@ -254,3 +254,26 @@ def test_a_saved_state_resumes_bit_for_bit(tmp_path: Any) -> None:
     for a, b in zip(params, resumed_params):
         assert_same_bits(cupy.asnumpy(a), cupy.asnumpy(b))
     assert resumed.step_count == opt.step_count == 10
+
+
+def test_check_can_be_captured_right_after_prepare() -> None:
+    """prepare() loads the kernels and sizes the statistics buffer: no eager check() is needed first."""
+    grads = [cupy.asarray(g) for g in gradients(np.random.default_rng(9), "float32", 1.0)]
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        scaler = SyncFreeGradScaler(init_scale=4.0)
+        prepared = scaler.prepare(grads)
+        stats: list[GradientStats] = []
+
+        def step() -> None:
+            stats.append(scaler.check(prepared, max_norm=1.0))
+            scaler.update()
+
+        graph = capture(stream, step)
+        graph.launch(stream)
+        graph.launch(stream)
+        stream.synchronize()
+    host = [cupy.asnumpy(g) for g in grads]
+    expected = float64_norm(host, 0.25)
+    assert abs(float(stats[0].norm) - expected) <= float(np.spacing(np.float32(expected)))
+    assert scaler.stats().steps == 2
