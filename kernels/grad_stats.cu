@@ -1,8 +1,9 @@
 // Read-only statistics of the gradients: one launch per dtype reads every element once and records
-// which tensors held inf/nan and each chunk's sum of squares (in float64: the squares of float16,
+// which tensors held inf/nan and each block's sum of squares (in float64: the squares of float16,
 // bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
-// block sums the chunks' sums in index order and derives the norm, the clip coefficient and the
-// optimizers' factor on the device. No float atomics: the same bits on every run, on any GPU.
+// block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
+// optimizers' factor on the device. No float atomics, and a grid fixed per GPU model (the Python side's
+// choice): the same bits on every run.
 #include "common.cuh"
 
 namespace cupy_amp {
@@ -80,22 +81,23 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
     const State* state = reinterpret_cast<const State*>(args.state);
     const u64 epoch = state != nullptr ? state->epoch : args.epoch;
+    double sum = 0.0;
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
-        double sum = 0.0;
-        bool bad = read_range<Type>(chunk.address, layout, chunk.first, chunk.last, sum);
-        const double total = block_sum(sum);
-        if (__syncthreads_or(bad) && threadIdx.x == 0) {
-            reinterpret_cast<u64*>(args.tensor_found)[chunk.tensor] = epoch;
-            if (args.finite != 0) *reinterpret_cast<unsigned char*>(args.finite) = 0;
+        if (read_range<Type>(chunk.address, layout, chunk.first, chunk.last, sum)) {
+            // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
+            // so nothing else waits for the block), and flags are written only on an overflow.
+            reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
+            if (args.finite != 0) *reinterpret_cast<volatile unsigned char*>(args.finite) = 0;
             *reinterpret_cast<volatile int*>(args.found) = 1;
         }
-        if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[c] = total;
     }
+    const double total = block_sum(sum);
+    if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
 }
 
-// The step's statistics from the chunks' sums (one block): the norm of the unscaled gradients,
+// The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
     const double* partials = reinterpret_cast<const double*>(args.partials);
