@@ -82,8 +82,12 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const State* state = reinterpret_cast<const State*>(args.state);
     const u64 epoch = state != nullptr ? state->epoch : args.epoch;
     double sum = 0.0;
+    Chunk next;
+    if (blockIdx.x < args.chunk_count) next = chunks[blockIdx.x];
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
-        const Chunk chunk = chunks[c];
+        const Chunk chunk = next;
+        // The next chunk's record is loaded while this chunk is read: a block walks several small chunks.
+        if (c + gridDim.x < args.chunk_count) next = chunks[c + gridDim.x];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
         if (read_range<Type>(chunk.address, layout, chunk.first, chunk.last, sum)) {
             // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
