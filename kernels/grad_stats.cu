@@ -32,6 +32,7 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
     };
     long long vectors = (last - body_first) / vec;
     const Vector* body = reinterpret_cast<const Vector*>(data + body_first);
+    double even = 0.0, odd = 0.0;  // two chains of dependent adds, half as long
     for (long long v = threadIdx.x; v < vectors; v += (long long)kUnroll * blockDim.x) {
         Vector loaded[kUnroll];
 #pragma unroll
@@ -45,13 +46,15 @@ __device__ bool read_dense(u64 base, long long first, long long last, double& su
             if (index < vectors) {
                 bad |= Type::vector_nonfinite(loaded[k].raw);
 #pragma unroll
-                for (int lane = 0; lane < vec; ++lane) {
-                    const double d = Type::value(loaded[k].lanes[lane]);
-                    sum = fma(d, d, sum);
+                for (int lane = 0; lane < vec; lane += 2) {
+                    const double d0 = Type::value(loaded[k].lanes[lane]), d1 = Type::value(loaded[k].lanes[lane + 1]);
+                    even = fma(d0, d0, even);
+                    odd = fma(d1, d1, odd);
                 }
             }
         }
     }
+    sum = __dadd_rn(sum, __dadd_rn(even, odd));
 
     for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
         const bits x = data[i];
