@@ -205,12 +205,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=20, help="timed rounds (default 20)")
     parser.add_argument("--json", type=Path, help="also write the results as JSON to this path")
     parser.add_argument("--skip-torch", action="store_true", help="do not time PyTorch's step")
+    parser.add_argument(
+        "--part", action="append", choices=("stats", "optimizers", "steps"), help="run only these parts (repeatable)"
+    )
     args = parser.parse_args(argv)
     info = environment(args.repeats)
     results: dict[str, Any] = {"environment": info, "stats": {}, "optimizers": {}, "steps": {}}
 
+    parts = set(args.part or ("stats", "optimizers", "steps"))
     copy = copy_timer()
-    for name, (shapes, dtype) in STATS_WORKLOADS.items():
+    for name, (shapes, dtype) in STATS_WORKLOADS.items() if "stats" in parts else ():
         grads = arrays(shapes, dtype, 0)
         timer, run = stats_timer(grads)
         medians = interleaved_medians(
@@ -232,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
             f"kernels alone {kernels:.1f} us ({floor / kernels:.3f})  host {host:.1f} us"
         )
 
-    for name, shapes in OPTIMIZER_WORKLOADS.items():
+    for name, shapes in OPTIMIZER_WORKLOADS.items() if "optimizers" in parts else ():
         elements = sum(int(np.prod(shape)) for shape in shapes)
         for kind, per_parameter in OPTIMIZER_BYTES.items():
             medians = interleaved_medians({"copy": copy, "step": optimizer_timer(kind, shapes)}, args.repeats)
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{kind:12s} {name:10s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}")
 
     shapes = gpt2_shapes(48, 1600)
-    for clip in (True, False):
+    for clip in (True, False) if "steps" in parts else ():
         timers = {"ours": our_step_timer(shapes, clip)}
         theirs = None if args.skip_torch else torch_step_timer(shapes, clip)
         if theirs is not None:
