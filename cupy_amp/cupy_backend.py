@@ -668,7 +668,13 @@ _lost_flags: list[_Flags] = []
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
 
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
-_STATS_CHUNKS_PER_BLOCK = THREADS // 32  # one chunk per warp
+_STATS_BLOCKS_PER_SM = 8  # two waves of resident blocks, each walking its chunks without a barrier
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _stats_grid() -> int:
+    """Return the most blocks of a statistics launch on the current device: fixed, so the sums' order is too."""
+    return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
@@ -677,7 +683,7 @@ def _finish_launcher() -> _Launcher:
 
 
 class DeviceStats:
-    """A scaler's Stats record and the chunks' sums of squares, on one device.
+    """A scaler's Stats record and the statistics blocks' sums of squares, on one device.
 
     The record is reused step after step (so a captured step keeps reading it):
     its views hold the latest ``check()``'s values.
@@ -687,8 +693,9 @@ class DeviceStats:
         self.device = device
         with _on_device(device):
             self._finish = _finish_launcher()  # loaded now, not inside a capture
+            self._grid = _stats_grid()
             self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
-            self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per chunk; grows outside captures
+            self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
@@ -699,13 +706,18 @@ class DeviceStats:
         offset = _STATS_FIELDS[name]
         return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
 
+    def _grids(self, plan: tuple[_Group, ...] | None) -> list[tuple[_Launcher, int]]:
+        """Return each group's statistics launch and its blocks (groups without elements have none)."""
+        launches = [(group.table.stats, group.table.chunk_count) for group in plan or ()]
+        return [(launch, min(chunks, self._grid)) for launch, chunks in launches if launch is not None]
+
     def reserve(self, plan: tuple[_Group, ...] | None) -> None:
-        """Make room for one sum per chunk of ``plan`` (refused inside a CUDA graph capture)."""
-        chunks = sum(group.table.chunk_count for group in plan or ())
-        if chunks > self._partials.size:
+        """Make room for one sum per block of ``plan``'s launches (refused inside a CUDA graph capture)."""
+        blocks = sum(grid for _, grid in self._grids(plan))
+        if blocks > self._partials.size:
             refuse_capture("the statistics buffer must first grow to these gradients' size")
             with _on_device(self.device):
-                self._partials = cupy.zeros(chunks, dtype=np.float64)
+                self._partials = cupy.zeros(blocks, dtype=np.float64)
 
     def gather(self, plan: tuple[_Group, ...], stream: Any, *, found: int, finite: int, state: int, epoch: int,
                inv_scale: np.float32, max_norm: float) -> None:  # fmt: skip
@@ -716,15 +728,12 @@ class DeviceStats:
         """
         self.reserve(plan)
         partials, written = int(self._partials.data.ptr), 0
-        for group in plan or ():
-            launch, chunks = group.table.stats, group.table.chunk_count
-            if launch is not None:  # its chunks' sums go right after the previous launch's
-                grid = min(-(-chunks // _STATS_CHUNKS_PER_BLOCK), _MAX_GRID)
-                launch(
-                    grid, stream.ptr, partials=partials + 8 * written, found=found, finite=finite, state=state,
-                    epoch=epoch,
-                )  # fmt: skip
-                written += chunks
+        for launch, grid in self._grids(plan):  # each launch's sums go right after the previous launch's
+            launch(
+                grid, stream.ptr, partials=partials + 8 * written, found=found, finite=finite, state=state,
+                epoch=epoch,
+            )  # fmt: skip
+            written += grid
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
             inv_scale=inv_scale, max_norm=np.float32(max_norm),

@@ -106,7 +106,7 @@ struct StatsArgs {
     u64 chunks;  // const Chunk[chunk_count], as for UnscaleArgs
     u64 layouts;
     long long chunk_count;
-    u64 partials;  // double per chunk: each chunk's sum of squares
+    u64 partials;  // double per block: each block's sum of squares
     u64 found;     // int, set to 1 if any element was inf/nan
     u64 finite;    // 0, or an unsigned char set to 0 if any element was inf/nan
     u64 tensor_found;

@@ -1,19 +1,17 @@
 // Read-only statistics of the gradients: one launch per dtype reads every element once and records
-// which tensors held inf/nan and each chunk's sum of squares (in float64: the squares of float16,
+// which tensors held inf/nan and each block's sum of squares (in float64: the squares of float16,
 // bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
-// block sums the chunks' sums in chunk order and derives the norm, the clip coefficient and the
-// optimizers' factor on the device. Each chunk is read by one warp, which needs no barrier and leaves
-// the scheduling of warps free; with no float atomics the sums are the same bits on every run.
+// block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
+// optimizers' factor on the device. No float atomics, and a grid fixed per GPU model (the Python side's
+// choice): the same bits on every run.
 #include "common.cuh"
 
 namespace cupy_amp {
 
-constexpr int kWarp = 32;
-
-// One warp's share of elements [first, last) of a dense tensor: a scalar head up to 16-byte alignment,
-// 16-byte vectors (kUnroll loads in flight per lane, streaming: every byte is read once), a scalar tail.
+// Elements [first, last) of a dense tensor: a scalar head up to 16-byte alignment, 16-byte vectors
+// (kUnroll loads in flight per thread, streaming: every byte is read once), a scalar tail.
 template <class Type>
-__device__ bool warp_read_dense(u64 base, long long first, long long last, int lane, double& sum) {
+__device__ bool read_dense(u64 base, long long first, long long last, double& sum) {
     typedef typename Type::bits bits;
     const int vec = 16 / sizeof(bits);
     const bits* data = reinterpret_cast<const bits*>(base);
@@ -22,7 +20,7 @@ __device__ bool warp_read_dense(u64 base, long long first, long long last, int l
     u64 first_address = base + (u64)first * sizeof(bits);
     long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
     long long body_first = first + head < last ? first + head : last;
-    for (long long i = first + lane; i < body_first; i += kWarp) {
+    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
         sum = fma(Type::value(x), Type::value(x), sum);
@@ -34,32 +32,28 @@ __device__ bool warp_read_dense(u64 base, long long first, long long last, int l
     };
     long long vectors = (last - body_first) / vec;
     const Vector* body = reinterpret_cast<const Vector*>(data + body_first);
-    double even = 0.0, odd = 0.0;  // two chains of dependent adds, half as long
-    for (long long v = lane; v < vectors; v += (long long)kUnroll * kWarp) {
+    for (long long v = threadIdx.x; v < vectors; v += (long long)kUnroll * blockDim.x) {
         Vector loaded[kUnroll];
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            long long index = v + (long long)k * kWarp;
+            long long index = v + (long long)k * blockDim.x;
             if (index < vectors) loaded[k].raw = __ldcs(&body[index].raw);
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            long long index = v + (long long)k * kWarp;
+            long long index = v + (long long)k * blockDim.x;
             if (index < vectors) {
                 bad |= Type::vector_nonfinite(loaded[k].raw);
 #pragma unroll
-                for (int element = 0; element < vec; element += 2) {
-                    const double d0 = Type::value(loaded[k].lanes[element]);
-                    const double d1 = Type::value(loaded[k].lanes[element + 1]);
-                    even = fma(d0, d0, even);
-                    odd = fma(d1, d1, odd);
+                for (int lane = 0; lane < vec; ++lane) {
+                    const double d = Type::value(loaded[k].lanes[lane]);
+                    sum = fma(d, d, sum);
                 }
             }
         }
     }
-    sum = __dadd_rn(sum, __dadd_rn(even, odd));
 
-    for (long long i = body_first + vectors * vec + lane; i < last; i += kWarp) {
+    for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
         const bits x = data[i];
         bad |= Type::nonfinite(x);
         sum = fma(Type::value(x), Type::value(x), sum);
@@ -67,15 +61,14 @@ __device__ bool warp_read_dense(u64 base, long long first, long long last, int l
     return bad;
 }
 
-// One warp's share of elements [first, last) (in C order) of a strided tensor; the layout stays in global
-// memory (a few words, cached).
 template <class Type>
-__device__ bool warp_read_strided(u64 base, const long long* layout, long long first, long long last, int lane,
-                                  double& sum) {
+__device__ bool read_range(u64 base, const long long* layout, long long first, long long last, double& sum) {
+    if (layout == nullptr) return read_dense<Type>(base, first, last, sum);
+    const long long* staged = stage_layout(layout);
     const typename Type::bits* origin = reinterpret_cast<const typename Type::bits*>(base);
     bool bad = false;
-    for (long long i = first + lane; i < last; i += kWarp) {
-        const typename Type::bits x = origin[strided_offset(layout, i)];
+    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
+        const typename Type::bits x = origin[strided_offset(staged, i)];
         bad |= Type::nonfinite(x);
         sum = fma(Type::value(x), Type::value(x), sum);
     }
@@ -88,28 +81,23 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
     const State* state = reinterpret_cast<const State*>(args.state);
     const u64 epoch = state != nullptr ? state->epoch : args.epoch;
-    const int lane = threadIdx.x % kWarp;
-    const long long warps = (long long)gridDim.x * (blockDim.x / kWarp);
-    for (long long c = (long long)blockIdx.x * (blockDim.x / kWarp) + threadIdx.x / kWarp; c < args.chunk_count;
-         c += warps) {
+    double sum = 0.0;
+    for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
-        double sum = 0.0;
-        const bool bad = chunk.layout < 0 ? warp_read_dense<Type>(chunk.address, chunk.first, chunk.last, lane, sum)
-                                          : warp_read_strided<Type>(chunk.address, layouts + chunk.layout, chunk.first,
-                                                                    chunk.last, lane, sum);
-        for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-            sum = __dadd_rn(sum, __shfl_down_sync(0xffffffffu, sum, offset));  // a fixed tree: fixed bits
-        }
-        if (__any_sync(0xffffffffu, bad) && lane == 0) {
-            reinterpret_cast<u64*>(args.tensor_found)[chunk.tensor] = epoch;
-            if (args.finite != 0) *reinterpret_cast<unsigned char*>(args.finite) = 0;
+        const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
+        if (read_range<Type>(chunk.address, layout, chunk.first, chunk.last, sum)) {
+            // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
+            // so nothing else waits for the block), and flags are written only on an overflow.
+            reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
+            if (args.finite != 0) *reinterpret_cast<volatile unsigned char*>(args.finite) = 0;
             *reinterpret_cast<volatile int*>(args.found) = 1;
         }
-        if (lane == 0) reinterpret_cast<double*>(args.partials)[c] = sum;
     }
+    const double total = block_sum(sum);
+    if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
 }
 
-// The step's statistics from the chunks' sums (one block): the norm of the unscaled gradients,
+// The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
     const double* partials = reinterpret_cast<const double*>(args.partials);
