@@ -49,6 +49,7 @@ __all__ = [
     "STATE_ARGS",
     "THREADS",
     "UNSCALE_ARGS",
+    "Checked",
     "DeviceState",
     "DeviceStats",
     "ParamTable",
@@ -147,6 +148,7 @@ FINISH_ARGS = np.dtype(
         ("state", "<u8"),
         ("inv_scale", "<f4"),
         ("max_norm", "<f4"),
+        ("stage", "<i4"),
     ],
     align=True,
 )
@@ -668,6 +670,7 @@ _lost_flags: list[_Flags] = []
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
 
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
+_SUM_AND_FINISH, _SUM_ONLY, _FINISH_ONLY = 0, 1, 2  # FinishArgs::stage (kernels/common.cuh)
 _STATS_BLOCKS_PER_SM = 8  # two waves of resident blocks, each walking its chunks without a barrier
 
 
@@ -699,6 +702,8 @@ class DeviceStats:
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
+        # [overflowed, sum_of_squares]: the pair a communicator sums over the ranks, in one all-reduce.
+        self.values = self._memory[: 2 * 8].view(np.float64)
         norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
         self.result = GradientStats(norm, clip, finite, self.address)
 
@@ -720,11 +725,13 @@ class DeviceStats:
                 self._partials = cupy.zeros(blocks, dtype=np.float64)
 
     def gather(self, plan: tuple[_Group, ...], stream: Any, *, found: int, finite: int, state: int, epoch: int,
-               inv_scale: np.float32, max_norm: float) -> None:  # fmt: skip
+               inv_scale: np.float32, max_norm: float, voting: bool) -> None:  # fmt: skip
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
         The kernels set ``*found`` (an int) and ``*finite`` (if not 0) on inf/nan;
         with a ``state`` (a State's address) its epoch, scale and verdict are used.
+        With ``voting``, only this rank's sums are taken: :attr:`values` is then
+        to be all-reduced, and :meth:`finish` called.
         """
         self.reserve(plan)
         partials, written = int(self._partials.data.ptr), 0
@@ -736,32 +743,70 @@ class DeviceStats:
             written += grid
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
-            inv_scale=inv_scale, max_norm=np.float32(max_norm),
+            inv_scale=inv_scale, max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
+        )  # fmt: skip
+
+    def finish(self, stream: Any, *, state: int, inv_scale: np.float32, max_norm: float) -> None:
+        """Queue the finish from the all-reduced :attr:`values` (checked on the device); never waits."""
+        self._finish(
+            1, stream.ptr, stats=self.address, partials=0, partial_count=0, state=state, inv_scale=inv_scale,
+            max_norm=np.float32(max_norm), stage=_FINISH_ONLY,
         )  # fmt: skip
 
 
 def check(
-    plan: tuple[_Group, ...], stats: DeviceStats, inverse: np.float32, max_norm: float
-) -> tuple[bool, tuple[int, ...]]:
-    """Run the statistics pass of one device's groups with a host-side inverse scale and wait for it.
+    plan: tuple[_Group, ...], arrays: Sequence[Any], stats: DeviceStats, inverse: np.float32, max_norm: float,
+    voting: bool,
+) -> Checked:  # fmt: skip
+    """Queue the statistics pass of one device's groups with a host-side inverse scale; never waits.
 
-    Returns (whether any array held inf/nan, the positions of those arrays). The
-    one synchronization is the read of the flag (and, after an overflow, of the
-    per-array flags).
+    With ``voting``, only this rank's sums are taken: :meth:`Checked.vote` all-reduces them and finishes.
     """
     epoch = next(_epochs) % (2**32 - 1) + 1
     with _on_device(stats.device):
         stream = cupy.cuda.get_current_stream()
         stats.found.fill(0)
         found = stats.address + _STATS_FIELDS["found"]
-        stats.gather(plan, stream, found=found, finite=0, state=0, epoch=epoch, inv_scale=inverse, max_norm=max_norm)
-        local = bool(stats.found.get(stream=stream))  # waits for the stream
-        culprits: list[int] = []
-        if local:
-            for group in plan:
-                seen = group.table.tensor_found.get(stream=stream)
-                culprits += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
-    return local, tuple(sorted(culprits))
+        stats.gather(
+            plan, stream, found=found, finite=0, state=0, epoch=epoch, inv_scale=inverse, max_norm=max_norm,
+            voting=voting,
+        )  # fmt: skip
+    return Checked(plan, stats, stream, epoch, inverse, max_norm, voting)
+
+
+class Checked:
+    """A statistics pass in flight: all-reduce its sums (with a communicator), then read the result."""
+
+    def __init__(
+        self, plan: tuple[_Group, ...], stats: DeviceStats, stream: Any, epoch: int, inverse: np.float32,
+        max_norm: float, voting: bool,
+    ) -> None:  # fmt: skip
+        self._plan, self._stats, self._stream, self._epoch = plan, stats, stream, epoch
+        self._inverse, self._max_norm, self._voting = inverse, max_norm, voting
+
+    def vote(self, vote: OverflowVote) -> None:
+        """Queue the SUM all-reduce of the (overflowed, sum of squares) pair, then the finish; never waits.
+
+        If ``reduce_sum`` raises, it queued nothing (NCCL's contract): the caller joins from the host.
+        """
+        stats = self._stats
+        with _on_device(stats.device):
+            vote.reduce_sum(stats.values, self._stream)  # type: ignore[attr-defined]
+            stats.finish(self._stream, state=0, inv_scale=self._inverse, max_norm=self._max_norm)
+
+    def result(self) -> tuple[bool, float | None, tuple[int, ...]]:
+        """Wait for the pass; return (this rank's overflow, the ranks' overflow count or None, culprit positions)."""
+        stats = self._stats
+        with _on_device(stats.device):
+            record = np.frombuffer(stats._memory.get(stream=self._stream).tobytes(), dtype=STATS)[0]  # waits
+            local = bool(record["found"])
+            culprits: list[int] = []
+            if local:
+                for group in self._plan:
+                    seen = group.table.tensor_found.get(stream=self._stream)
+                    culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
+        count = float(record["overflowed"]) if self._voting else None
+        return local, count, tuple(sorted(culprits))
 
 
 # The fused optimizers (cupy_amp.optim): a one-thread begin kernel, then one launch per dtype group.
@@ -976,18 +1021,32 @@ class DeviceState:
         """Get everything a captured step with ``call``'s arrays needs (the statistics buffer)."""
         self.stats.reserve(call.plan)
 
-    def check(self, call: Any, max_norm: float) -> None:
+    def check(self, call: Any, max_norm: float, voting: bool) -> None:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
 
-        Returns None: the culprits are read later, by :meth:`culprits`.
+        With ``voting``, only this rank's sums are taken (:meth:`vote_sums`, then
+        :meth:`finish_check`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
         found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
         with _on_device(self.device):
             stream = self.follow()
             self.stats.gather(
                 call.plan, stream, found=found, finite=finite, state=self.address, epoch=0, inv_scale=np.float32(0),
-                max_norm=max_norm,
+                max_norm=max_norm, voting=voting,
             )  # fmt: skip
+
+    def vote_sums(self, vote: OverflowVote) -> None:
+        """Queue the SUM all-reduce of (overflowed, sum of squares) (never synchronizes).
+
+        If ``reduce_sum`` raises, it queued nothing (NCCL's contract): this rank took no part.
+        """
+        with _on_device(self.device):
+            vote.reduce_sum(self.stats.values, self.follow())  # type: ignore[attr-defined]
+
+    def finish_check(self, max_norm: float) -> None:
+        """Queue the finish from the all-reduced pair: the verdict (an impossible count is a bad vote), the norm."""
+        with _on_device(self.device):
+            self.stats.finish(self.follow(), state=self.address, inv_scale=np.float32(0), max_norm=max_norm)
 
     def vote(self, vote: OverflowVote) -> None:
         """Queue the MAX all-reduce of this rank's flag (never synchronizes).

@@ -20,11 +20,12 @@ communicators from CuPy are wrapped by :func:`overflow_vote_for`.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Protocol
 
 import numpy as np
 
-from cupy_amp.errors import ArgumentTypeError, CommunicatorError
+from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
 
 __all__ = [
     "NcclVote",
@@ -32,8 +33,12 @@ __all__ = [
     "cast_host_vote",
     "device_answer",
     "host_answer",
+    "host_sums",
     "host_verdict",
+    "overflow_count_verdict",
     "overflow_vote_for",
+    "require_sums",
+    "sums_after_failure",
     "vote_after_failure",
 ]
 
@@ -80,6 +85,24 @@ class NcclVote:
             self._comm.allReduce(flags.data.ptr, flags.data.ptr + 4, 1, nccl.NCCL_INT32, nccl.NCCL_MAX, stream.ptr)
         else:
             self._comm.all_reduce(flags[0:1], flags[1:2], op="max", stream=stream)
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        """Sum a float64 pair over the ranks in place: on ``stream`` for a CuPy array; a NumPy one waits."""
+        import cupy
+
+        if isinstance(values, np.ndarray):
+            on_device = cupy.asarray(values)
+            current = cupy.cuda.get_current_stream()
+            self.reduce_sum(on_device, current)
+            values[...] = on_device.get(stream=current)
+            return
+        if self._raw:
+            from cupy.cuda import nccl
+
+            ptr = values.data.ptr
+            self._comm.allReduce(ptr, ptr, 2, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, stream.ptr)
+        else:
+            self._comm.all_reduce(values, values, op="sum", stream=stream)
 
     def host_vote(self, local_overflow: bool) -> bool:
         import cupy
@@ -170,3 +193,59 @@ def vote_after_failure(vote: OverflowVote, error: BaseException) -> None:
         add_note = getattr(error, "add_note", None)
         if add_note is not None:
             add_note(f"cupy-amp: voting 'overflow' for this call failed as well: {vote_error}")
+
+
+# check() with a communicator: one SUM all-reduce of [overflowed ranks, sum of squares] per step. The flag
+# travels as its own element, so an inf/nan in a rank's sum of squares cannot hide it: the count is a
+# whole number of ranks, at least this rank's own 0/1, whatever the sums beside it hold.
+
+
+def require_sums(vote: OverflowVote) -> None:
+    """Raise unless ``vote`` can sum a pair of floats over the ranks (what ``check()`` needs).
+
+    Raises:
+        ConfigError: It has no ``reduce_sum(values, stream)`` method.
+    """
+    if not callable(getattr(vote, "reduce_sum", None)):
+        raise ConfigError(
+            f"check() with a communicator needs a SUM all-reduce: {type(vote).__name__} has no reduce_sum(values, "
+            "stream). Use a CuPy NCCL communicator, or unscale_and_check()."
+        )
+
+
+def host_sums(vote: OverflowVote, overflowed: bool, sum_of_squares: float) -> tuple[float, float]:
+    """Sum (this rank's 0/1 overflow flag, its sum of squares) over the ranks from the host (synchronizes).
+
+    Raises:
+        CommunicatorError: The communicator raised; this rank then took no part.
+    """
+    values = np.array([1.0 if overflowed else 0.0, sum_of_squares], dtype=np.float64)
+    try:
+        vote.reduce_sum(values, None)  # type: ignore[attr-defined]
+    except Exception as exc:
+        raise CommunicatorError(f"The statistics all-reduce failed: {type(exc).__name__}: {exc}") from exc
+    return float(values[0]), float(values[1])
+
+
+def overflow_count_verdict(count: float, local_overflow: bool) -> bool:
+    """Return the step's verdict from the all-reduced count of overflowed ranks (this rank's always counts).
+
+    Raises:
+        CommunicatorError: The count is not a whole number at least this rank's own flag.
+    """
+    if not ((1.0 if local_overflow else 0.0) <= count < 1e15 and count == math.floor(count)):
+        raise CommunicatorError(
+            f"The statistics all-reduce answered {count!r} ranks with inf/nan (this rank: {int(local_overflow)}), "
+            "which is no such count: the communicator did not sum float64 values. The step counts as an overflow."
+        )
+    return count > 0 or local_overflow
+
+
+def sums_after_failure(vote: OverflowVote, error: BaseException) -> None:
+    """Join the statistics all-reduce as an overflowed rank for a ``check()`` that ``error`` stopped first."""
+    try:
+        host_sums(vote, True, 0.0)
+    except CommunicatorError as vote_error:
+        logger.error("cupy-amp: the statistics all-reduce after a failed check() failed too: %s", vote_error)
+        vote_error.__context__ = None
+        error.__context__ = vote_error

@@ -12,15 +12,19 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict
+from cupy_amp.distributed import OverflowVote, cast_host_vote, host_sums, host_verdict, overflow_count_verdict
+from cupy_amp.errors import CommunicatorError
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
-from cupy_amp.statistics import STATS, GradientStats, host_stats
+from cupy_amp.statistics import STATS, GradientStats, finish_host
+from cupy_amp.statistics import host_sums as sums_of
 
 __all__ = [
     "LAYOUT_FIXED",
     "NAME",
+    "Checked",
     "HostState",
     "HostStats",
+    "check",
     "location",
     "prepare",
     "scale_loss",
@@ -103,6 +107,40 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
         np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
 
 
+def check(
+    plan: None, arrays: Sequence[np.ndarray], stats: HostStats, inverse: np.float32, max_norm: float, voting: bool
+) -> Checked:
+    """Read the arrays' statistics into ``stats`` (finished at once without ``voting``)."""
+    culprits, total = sums_of(arrays)
+    checked = Checked(stats, culprits, total, inverse, max_norm)
+    if not voting:
+        finish_host(stats.record, total, inverse, max_norm, bool(culprits), False)
+    return checked
+
+
+class Checked:
+    """A finished host statistics pass, or one waiting for its all-reduce."""
+
+    def __init__(
+        self, stats: HostStats, culprits: tuple[int, ...], total: float, inverse: np.float32, max_norm: float
+    ) -> None:
+        self._stats, self._culprits, self._total = stats, culprits, total
+        self._inverse, self._max_norm = inverse, max_norm
+        self._count: float | None = None
+
+    def vote(self, vote: OverflowVote) -> None:
+        """Sum (overflowed, sum of squares) over the ranks (synchronizing; raises if this rank took no part)."""
+        self._count, self._total = host_sums(vote, bool(self._culprits), self._total)
+
+    def result(self) -> tuple[bool, float | None, tuple[int, ...]]:
+        """Return (this rank's overflow, the ranks' overflow count or None, culprit positions); finish the record."""
+        local = bool(self._culprits)
+        if self._count is not None:
+            agreed = self._count != 0.0  # an impossible count (a NaN too) is the caller's to reject: skip meanwhile
+            finish_host(self._stats.record, self._total, self._inverse, self._max_norm, local, agreed)
+        return local, self._count, self._culprits
+
+
 class HostStats:
     """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.cupy_backend.DeviceStats`)."""
 
@@ -160,12 +198,35 @@ class HostState:
     def prepare(self, call: Any) -> None:
         """Nothing to set aside on the host."""
 
-    def check(self, call: Any, max_norm: float) -> tuple[int, ...]:
-        """Fill the statistics record from a parsed call's arrays; return the positions of those that held inf/nan."""
-        culprits = host_stats(self.stats.record, call.arrays, inverse_scale(self._state.scale), max_norm)
+    def check(self, call: Any, max_norm: float, voting: bool) -> tuple[int, ...]:
+        """Read a parsed call's statistics; return the positions of the arrays that held inf/nan.
+
+        With ``voting``, the record is finished by :meth:`vote_sums` and :meth:`finish_check`.
+        """
+        self._checked = check(None, call.arrays, self.stats, inverse_scale(self._state.scale), max_norm, voting)
+        culprits = self._checked.result()[2]
         if culprits:
             self.mark_overflow()
         return culprits
+
+    def vote_sums(self, vote: OverflowVote) -> None:
+        """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""
+        self._checked.vote(vote)
+
+    def finish_check(self, max_norm: float) -> None:
+        """Take the all-reduced verdict and finish the record.
+
+        Raises:
+            CommunicatorError: The count of overflowed ranks was no such count (the step counts as an overflow).
+        """
+        local, count, _ = self._checked.result()
+        try:
+            agreed = overflow_count_verdict(count if count is not None else 0.0, local)
+        except CommunicatorError:
+            self._finite[()] = False
+            raise
+        if agreed:
+            self._finite[()] = False
 
     def vote(self, vote: OverflowVote) -> None:
         """Take part in the vote with this rank's flag (synchronizing; raises if this rank took no part)."""

@@ -10,11 +10,20 @@ import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, cast_host_vote, host_verdict, overflow_vote_for, vote_after_failure
+from cupy_amp.distributed import (
+    OverflowVote,
+    cast_host_vote,
+    host_verdict,
+    overflow_count_verdict,
+    overflow_vote_for,
+    require_sums,
+    sums_after_failure,
+    vote_after_failure,
+)
 from cupy_amp.errors import ConfigError, GradientValueError
 from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, inverse_scale, next_state
-from cupy_amp.statistics import GradientStats, expect_max_norm, host_stats
+from cupy_amp.statistics import GradientStats, expect_max_norm
 from cupy_amp.step_order import CHECKED, IDLE, StepOrder, refuse_after_check, refuse_second_check
 
 __all__ = ["GradScaler", "GradScalerStats"]
@@ -268,31 +277,51 @@ class GradScaler:
         The read-only alternative to ``unscale_and_check`` for the fused
         optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
         their update from the returned record. With CuPy arrays: one fused
-        kernel launch per dtype, one small launch that sums the blocks' partial
-        sums in a fixed order and computes, on the device, the L2 norm of the
-        unscaled gradients and ``min(1, max_norm / (norm + 1e-6))``; then one
-        synchronizing read of the overflow flag, as ``unscale_and_check`` does.
-        ``norm`` and ``clip_coefficient`` stay on the device (reading one
+        kernel launch per dtype, one small launch that sums the blocks' sums in
+        a fixed order and computes, on the device, the L2 norm of the unscaled
+        gradients and ``min(1, max_norm / (norm + 1e-6))``; then one
+        synchronizing read of the record, as ``unscale_and_check`` reads its
+        flag. ``norm`` and ``clip_coefficient`` stay on the device (reading one
         waits); ``finite`` is a host bool array. It must be the step's only
-        gradient call, on one device; bfloat16 gradients are accepted. Disabled:
-        the statistics are computed with no scale (inverse 1) and nothing is recorded.
+        gradient call, on one device; bfloat16 gradients are accepted.
+
+        With a communicator, one SUM all-reduce carries the pair (ranks with
+        inf/nan, sum of squares): every rank gets the global norm (of sharded
+        gradients too) and the same verdict, and a rank's own overflow always
+        counts. Every rank must call ``check()`` in the same steps; a call that
+        fails anywhere still joins the all-reduce, as an overflowed rank.
+        Disabled: the statistics are computed with no scale (inverse 1), with no
+        all-reduce, and nothing is recorded.
 
         Raises:
-            ConfigError: ``max_norm`` is not None or a positive float32 number; or the
-                scaler has a communicator (not supported by ``check`` yet).
+            ConfigError: ``max_norm`` is not None or a positive float32 number, or the
+                communicator cannot sum (no ``reduce_sum``).
             ScalerProtocolError: Gradients were already checked or unscaled in this step.
             GradientValueError: Gradients on several devices.
+            CommunicatorError: The all-reduce failed or answered an impossible count.
             As ``unscale_and_check`` for other bad gradients.
         """
         limit = expect_max_norm(max_norm)
         with self._order:
-            refuse_second_check(self._order.phase == CHECKED, self._vote is not None)
-            call = parse_gradients(gradients, self._cache, in_place=False)
-            if len(call.devices) > 1:
-                raise GradientValueError(
-                    "check() takes the gradients of one device (its norm is summed on that device); got devices "
-                    f"{list(call.devices)}. Use one scaler per device."
-                )
+            refuse_second_check(self._order.phase == CHECKED)
+            vote = self._vote if self._enabled else None
+            try:
+                if vote is not None:
+                    require_sums(vote)
+                call = parse_gradients(gradients, self._cache, in_place=False)
+                if len(call.devices) > 1:
+                    raise GradientValueError(
+                        "check() takes the gradients of one device (its norm is summed on that device); got "
+                        f"devices {list(call.devices)}. Use one scaler per device."
+                    )
+            except ConfigError:
+                raise  # every rank refuses alike: nobody votes
+            except BaseException as error:
+                if vote is not None:
+                    self._record_failure(())
+                    self._checked_read_only = True
+                    sums_after_failure(vote, error)
+                raise
             inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
             if self._enabled:
                 self._begin_checks()
@@ -301,19 +330,26 @@ class GradScaler:
             else:
                 self._order.phase = CHECKED
             stats = self._stats_for(call)
+            backend = call.backend if call.backend is not None else numpy_backend
+            voted = False
             try:
-                if call.backend is None or call.backend is numpy_backend:
-                    culprits = host_stats(stats.record, call.arrays, inverse, limit)
-                else:
-                    culprits = call.backend.check(call.plan, stats, inverse, limit)[1]
-            except BaseException:
+                checked = backend.check(call.plan, call.arrays, stats, inverse, limit, vote is not None)
+                if vote is not None:
+                    checked.vote(vote)  # a vote that raises took no part: sums_after_failure joins below
+                    voted = True
+                local, count, culprits = checked.result()
+                agreed = overflow_count_verdict(count, local) if count is not None else False
+            except BaseException as error:
                 if self._enabled:
                     self._record_failure(call.labels)
+                if vote is not None and not voted:
+                    sums_after_failure(vote, error)
                 raise
             if self._enabled:
                 self._records.append(_Record(call.labels, culprits))
-                self._found_overflow = self._found_overflow_local = bool(culprits)
-            stats.result.finite[()] = not culprits
+                self._found_overflow = local or agreed
+                self._found_overflow_local = local
+            stats.result.finite[()] = not (local or agreed)
             return stats.result  # type: ignore[no-any-return]
 
     def _stats_for(self, call: Call) -> Any:

@@ -22,19 +22,21 @@ import numpy as np
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
 
-__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "host_stats"]
+__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "finish_host", "host_stats", "host_sums"]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 
 # The Stats struct of kernels/common.cuh (cupy_amp.cupy_backend checks the two agree at every compile).
 STATS = np.dtype(
     [
+        ("overflowed", "<f8"),
         ("sum_of_squares", "<f8"),
         ("norm", "<f4"),
         ("clip_coefficient", "<f4"),
         ("factor", "<f4"),
         ("found", "<i4"),
         ("skip", "<i4"),
+        ("bad_vote", "<i4"),
     ],
     align=True,
 )
@@ -54,13 +56,8 @@ def expect_max_norm(max_norm: object) -> float:
     return value
 
 
-def host_stats(
-    record: np.ndarray, arrays: Sequence[np.ndarray], inv_scale: np.float32, max_norm: float
-) -> tuple[int, ...]:
-    """Fill a 0-d :data:`STATS` record from NumPy arrays, as the GPU kernels do; return the culprits' positions.
-
-    ``skip`` is this rank's overflow; a vote may set it afterwards.
-    """
+def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:
+    """Return (positions of the arrays holding inf/nan, the sum of squares of all elements in float64)."""
     culprits = []
     total = 0.0
     with np.errstate(over="ignore", invalid="ignore"):
@@ -69,6 +66,16 @@ def host_stats(
             if not np.isfinite(values).all():
                 culprits.append(position)
             total += float(np.sum(np.square(values)))
+    return tuple(culprits), total
+
+
+def finish_host(
+    record: np.ndarray, total: float, inv_scale: np.float32, max_norm: float, local: bool, agreed: bool
+) -> None:
+    """Fill a 0-d :data:`STATS` record from a sum of squares, as the finishing kernel does.
+
+    ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did.
+    """
     norm = np.float32(math.sqrt(total) * float(inv_scale)) if math.isfinite(total) else np.float32(total)
     clip = np.float32(1.0)
     if max_norm > 0.0:
@@ -79,8 +86,17 @@ def host_stats(
     record["norm"] = norm
     record["clip_coefficient"] = clip
     record["factor"] = np.float32(inv_scale) * clip
-    record["found"] = record["skip"] = bool(culprits)
-    return tuple(culprits)
+    record["found"] = local
+    record["skip"] = local or agreed
+
+
+def host_stats(
+    record: np.ndarray, arrays: Sequence[np.ndarray], inv_scale: np.float32, max_norm: float
+) -> tuple[int, ...]:
+    """Fill a 0-d :data:`STATS` record from NumPy arrays (no communicator); return the culprits' positions."""
+    culprits, total = host_sums(arrays)
+    finish_host(record, total, inv_scale, max_norm, bool(culprits), False)
+    return culprits
 
 
 class GradientStats:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 
-from cupy_amp.errors import ConfigError, ScalerProtocolError
+from cupy_amp.errors import ScalerProtocolError
 
 __all__ = ["CHECKED", "IDLE", "SCALED", "StepOrder", "refuse_after_check", "refuse_second_check"]
 
@@ -86,16 +86,11 @@ class StepOrder:
             )
 
 
-def refuse_second_check(gradients_seen: bool, voting: bool) -> None:
-    """Refuse ``check()`` when the step's gradients were already checked or unscaled, or with a communicator.
+def refuse_second_check(gradients_seen: bool) -> None:
+    """Refuse ``check()`` when the step's gradients were already checked or unscaled.
 
     The norm covers the gradients of one call, so ``check()`` is a step's only gradient call.
     """
-    if voting:
-        raise ConfigError(
-            "check() does not support a communicator yet (its norm and verdict would cover this rank only); use "
-            "unscale_and_check() with a communicator."
-        )
     if gradients_seen:
         raise ScalerProtocolError(
             "check() was called after this step's gradients were already checked or unscaled: check() reads all "

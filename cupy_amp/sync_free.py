@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import sys
 import types
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, overflow_vote_for, vote_after_failure
+from cupy_amp.distributed import (
+    OverflowVote,
+    overflow_vote_for,
+    require_sums,
+    sums_after_failure,
+    vote_after_failure,
+)
 from cupy_amp.errors import (
     ArgumentTypeError,
     CommunicatorError,
@@ -156,8 +162,9 @@ class SyncFreeGradScaler:
         if bad_votes > self._bad_votes_reported:
             count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
             raise CommunicatorError(
-                f"{count} overflow all-reduce(s) answered something that is no maximum of the ranks' 0/1 flags: the "
-                f"communicator did not run a MAX reduction of int32 flags. Those steps counted as overflows."
+                f"{count} all-reduce(s) answered something impossible (no maximum of the ranks' 0/1 flags for "
+                "unscale_and_check, no count of ranks with inf/nan for check): the communicator did not run the "
+                "expected reduction. Those steps counted as overflows."
             )
         return state, overflow, local, epoch
 
@@ -219,29 +226,54 @@ class SyncFreeGradScaler:
         The read-only alternative to ``unscale_and_check`` for the fused
         optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
         their update from the returned record. One fused kernel launch per
-        dtype, then one small launch that sums the blocks' partial sums in a
-        fixed order and computes the L2 norm of the unscaled gradients and
+        dtype, then one small launch that sums the blocks' sums in a fixed
+        order and computes the L2 norm of the unscaled gradients and
         ``min(1, max_norm / (norm + 1e-6))`` on the device. Never synchronizes;
         the returned arrays live in the scaler's record (reading one waits).
         It must be the step's only gradient call; bfloat16 gradients are accepted.
 
+        With a communicator, one SUM all-reduce, queued on the stream, carries
+        the pair (ranks with inf/nan, sum of squares) between the two launches:
+        the norm is global and the verdict the same on every rank (a rank's own
+        overflow always counts; an impossible count is an overflow, raised as
+        ``CommunicatorError`` at the next call that reads the state). A call that
+        fails anywhere still joins the all-reduce, as an overflowed rank.
+
         Raises:
-            ConfigError: ``max_norm`` is not None or a positive float32 number; or the
-                scaler has a communicator (not supported by ``check`` yet).
+            ConfigError: ``max_norm`` is not None or a positive float32 number, or the
+                communicator cannot sum (no ``reduce_sum``).
             ScalerProtocolError: Gradients were already checked or unscaled in this step.
             As ``unscale_and_check`` for bad gradients.
         """
         limit = expect_max_norm(max_norm)
         with self._order:
-            refuse_second_check(self._claims is not None, self._vote is not None)
-            call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
-            state = self._state if call.backend is None else self._state_for(call.backend, call.footprints[0].device)
+            refuse_second_check(self._claims is not None)
+            vote = self._vote
+            try:
+                if vote is not None:
+                    require_sums(vote)
+                call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
+                state = (
+                    self._state if call.backend is None else self._state_for(call.backend, call.footprints[0].device)
+                )
+            except ConfigError:
+                raise  # every rank refuses alike: nobody votes
+            except BaseException as error:
+                if vote is not None:
+                    self._checked_read_only = True
+                    self._fail_call(None, vote, error, sums_after_failure)
+                raise
             self._open_checks(StepClaims())
             self._checked_read_only = True
+            voted = False
             try:
-                culprits = state.check(call, limit)
+                culprits = state.check(call, limit, vote is not None)
+                if vote is not None:
+                    state.vote_sums(vote)  # a vote that raises took no part: _fail_call joins for this rank
+                    voted = True
+                    state.finish_check(limit)
             except BaseException as error:
-                self._fail_call(call, None, error)
+                self._fail_call(call, None if voted else vote, error, sums_after_failure)
                 raise
             self._records.append(_Record(call, culprits))
             return state.stats.result  # type: ignore[no-any-return]
@@ -253,8 +285,14 @@ class SyncFreeGradScaler:
         self._claims = claims
         self._state.begin_step()
 
-    def _fail_call(self, call: Call | None, vote: OverflowVote | None, error: BaseException) -> None:
-        """Count a failed call as an overflow of the step and, if ``vote`` was not cast yet, vote "overflow"."""
+    def _fail_call(
+        self,
+        call: Call | None,
+        vote: OverflowVote | None,
+        error: BaseException,
+        join: Callable[[OverflowVote, BaseException], None] = vote_after_failure,
+    ) -> None:
+        """Count a failed call as an overflow of the step and, if ``vote`` was not cast yet, ``join`` it as one."""
         try:
             if self._order.phase != CHECKED:
                 self._open_checks(StepClaims())
@@ -262,7 +300,7 @@ class SyncFreeGradScaler:
             self._state.mark_overflow()
         finally:
             if vote is not None:
-                vote_after_failure(vote, error)
+                join(vote, error)
 
     def _run(self, state: Any, call: Call, claims: StepClaims, vote: OverflowVote | None) -> Any:
         """Unscale a claimed call and queue its vote; any failure counts as an overflow of the step."""

@@ -94,12 +94,14 @@ struct StateArgs {
 // One step's read-only statistics of the gradients (cupy_amp.statistics): the optimizers read `factor`
 // and `skip` from here, so neither the scale nor the verdict passes through the host.
 struct Stats {
-    double sum_of_squares;   // of this rank's gradients as given (still scaled), in float64
+    double overflowed;       // 1 if this rank's gradients held inf/nan, else 0; after an all-reduce, the ranks' sum
+    double sum_of_squares;   // of the gradients as given (still scaled), this rank's; after an all-reduce, all ranks'
     float norm;              // the unscaled gradients' L2 norm: float32(sqrt(sum_of_squares) * inv_scale)
     float clip_coefficient;  // min(1, max_norm / (norm + 1e-6)), or 1 without clipping
     float factor;            // inv_scale * clip_coefficient: what the optimizers multiply gradients by
     int found;               // 1 once this rank's gradients of the step held inf/nan
     int skip;                // 1: the step overflowed (here, or on another rank); the optimizers do nothing
+    int bad_vote;            // 1: the all-reduced count of overflowed ranks was no such count
 };
 
 struct StatsArgs {
@@ -114,13 +116,18 @@ struct StatsArgs {
     u64 epoch;
 };
 
+// What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of
+// Stats::overflowed and Stats::sum_of_squares comes next); or only finish (after that all-reduce).
+constexpr int kSumAndFinish = 0, kSumOnly = 1, kFinishOnly = 2;
+
 struct FinishArgs {
     u64 stats;     // Stats*
-    u64 partials;  // const double[partial_count]: summed in index order, then zeroed for the next step
+    u64 partials;  // const double[partial_count]: the blocks' sums of this call's launches, in order
     long long partial_count;
     u64 state;        // 0, or a State: the scale and the verdict are read from it
     float inv_scale;  // without a State
     float max_norm;   // <= 0: no clipping
+    int stage;        // kSumAndFinish, kSumOnly or kFinishOnly
 };
 
 // The fused optimizers' work (cupy_amp.optim): one chunk of one parameter; each address points at the

@@ -100,26 +100,43 @@ __device__ void gradient_stats(const StatsArgs& args) {
 // The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
-    const double* partials = reinterpret_cast<const double*>(args.partials);
-    double sum = 0.0;
-    for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
-    const double total = block_sum(sum);
-    if (threadIdx.x != 0) return;
     Stats* stats = reinterpret_cast<Stats*>(args.stats);
-    const State* state = reinterpret_cast<const State*>(args.state);
+    State* state = reinterpret_cast<State*>(args.state);
+    const int local = state != nullptr ? state->found : stats->found;
+    if (args.stage != kFinishOnly) {
+        const double* partials = reinterpret_cast<const double*>(args.partials);
+        double sum = 0.0;
+        for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
+        const double total = block_sum(sum);
+        if (threadIdx.x == 0) {
+            stats->sum_of_squares = total;
+            stats->overflowed = local != 0 ? 1.0 : 0.0;
+        }
+    }
+    if (args.stage == kSumOnly || threadIdx.x != 0) return;
+    // After an all-reduce: the count of ranks that overflowed must be a whole number, at least this rank's
+    // own flag (a NaN fails every comparison). Anything else is counted, and the step is skipped.
+    const double count = stats->overflowed;
+    const bool bad = args.stage == kFinishOnly && !(count >= (double)local && count == floor(count) && count < 1e15);
+    const bool agreed = args.stage == kFinishOnly && (bad || count > 0.0);
+    if (state != nullptr && args.stage == kFinishOnly) {
+        if (bad) state->bad_votes += 1;
+        state->agreed = agreed ? 1 : 0;
+        if (agreed) state->finite = 0;
+    }
     const float inv_scale = state != nullptr ? inverse_of(state->scale) : args.inv_scale;
-    const float norm = narrow(__dmul_rn(__dsqrt_rn(total), widen(inv_scale)));
+    const float norm = narrow(__dmul_rn(__dsqrt_rn(stats->sum_of_squares), widen(inv_scale)));
     float clip = 1.0f;
     if (widen(args.max_norm) > 0.0) {
         const double quotient = __ddiv_rn(widen(args.max_norm), __dadd_rn(widen(norm), 1e-6));
         if (quotient < 1.0) clip = narrow(quotient);
     }
-    stats->sum_of_squares = total;
     stats->norm = norm;
     stats->clip_coefficient = clip;
     stats->factor = mul_f32(inv_scale, clip);
-    if (state != nullptr) stats->found = state->found;
-    stats->skip = state != nullptr ? (state->found != 0 || state->agreed != 0) : stats->found != 0;
+    stats->found = local;
+    stats->bad_vote = bad ? 1 : 0;
+    stats->skip = local != 0 || agreed || (state != nullptr && state->agreed != 0);
 }
 
 }  // namespace cupy_amp

@@ -1,7 +1,7 @@
 """An in-process stand-in for a communicator: N ranks as N threads, votes through a barrier.
 
 :class:`FakeVote` implements :class:`cupy_amp.distributed.OverflowVote` for
-NumPy int32 flags and host flags. Every vote is a collective: each rank deposits
+NumPy int32 flags and host flags, and ``reduce_sum`` (what ``check()`` needs) for float64 pairs. Every vote is a collective: each rank deposits
 its flag, waits for all the others, then reads the MAX. The barrier has a
 timeout, so a rank that does not join a vote makes the others raise
 ``threading.BrokenBarrierError`` quickly instead of hanging the test run (as a
@@ -34,6 +34,7 @@ class FakeWorld:
         self._barrier = threading.Barrier(size, timeout=timeout)
         self._slots = [0] * size
         self.votes: list[list[tuple[int, int]]] = [[] for _ in range(size)]
+        self.sums: list[list[np.ndarray]] = [[] for _ in range(size)]
 
     def max_over_ranks(self, rank: int, value: int) -> int:
         """Deposit ``value`` for ``rank``, wait for every rank, and return the maximum (a collective)."""
@@ -43,6 +44,15 @@ class FakeWorld:
         self._barrier.wait()  # nobody deposits the next vote before everyone has read this one
         self.votes[rank].append((value, agreed))
         return agreed
+
+    def sum_over_ranks(self, rank: int, values: np.ndarray) -> np.ndarray:
+        """Deposit ``values`` for ``rank``, wait for every rank, and return the elementwise sum (a collective)."""
+        self._slots[rank] = values.copy()  # type: ignore[call-overload]
+        self._barrier.wait()
+        total = np.sum(np.stack(self._slots), axis=0)  # type: ignore[arg-type]
+        self._barrier.wait()
+        self.sums[rank].append(values.copy())
+        return total
 
     def sync(self) -> None:
         """Wait until every rank gets here (a plain barrier, not counted as a vote)."""
@@ -69,6 +79,12 @@ class FakeVote:
         if not isinstance(flags, np.ndarray) or flags.dtype != np.int32 or flags.shape != (2,):
             raise TypeError(f"reduce_max expected a NumPy int32 array of shape (2,), got {flags!r}.")
         flags[1] = self.world.max_over_ranks(self.rank, int(flags[0]))
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        """Replace the float64 pair ``values`` by its sum over all ranks (``stream`` is ignored)."""
+        if not isinstance(values, np.ndarray) or values.dtype != np.float64 or values.shape != (2,):
+            raise TypeError(f"reduce_sum expected a NumPy float64 array of shape (2,), got {values!r}.")
+        values[...] = self.world.sum_over_ranks(self.rank, values)
 
     def host_vote(self, local_overflow: bool) -> bool:
         """Return True if any rank's ``local_overflow`` was True."""

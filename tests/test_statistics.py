@@ -6,12 +6,12 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fake_comm import FakeVote, FakeWorld
+from fake_comm import FakeVote, FakeWorld, run_ranks
 from helpers import assert_same_bits
 
 from cupy_amp import GradScaler, SyncFreeGradScaler
 from cupy_amp.dtypes import bfloat16
-from cupy_amp.errors import ConfigError, GradientTypeError, ScalerProtocolError
+from cupy_amp.errors import CommunicatorError, ConfigError, GradientTypeError, ScalerProtocolError
 
 SCALERS = [GradScaler, SyncFreeGradScaler]
 BF16 = bfloat16()
@@ -95,11 +95,94 @@ def test_an_invalid_max_norm_is_refused_before_anything_happens(scaler_class: ty
     scaler.unscale_and_check(gradients(5, np.float32))  # the step was not opened
 
 
+class MaxOnlyVote(FakeVote):
+    """A vote that can only take a maximum (no reduce_sum)."""
+
+    reduce_sum = None  # type: ignore[assignment]
+
+
 @pytest.mark.parametrize("scaler_class", SCALERS)
-def test_check_with_a_communicator_is_refused_with_a_clear_error(scaler_class: type) -> None:
-    scaler = scaler_class(comm=FakeVote(FakeWorld(1), 0))
-    with pytest.raises(ConfigError, match="communicator"):
+def test_check_with_a_communicator_that_cannot_sum_is_refused_before_any_vote(scaler_class: type) -> None:
+    world = FakeWorld(1)
+    scaler = scaler_class(comm=MaxOnlyVote(world, 0))
+    with pytest.raises(ConfigError, match="SUM all-reduce"):
         scaler.check(gradients(6, np.float32))
+    assert world.vote_count(0) == 0 and world.sums[0] == []
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_ranks_with_sharded_gradients_get_the_global_norm_and_one_verdict(scaler_class: type) -> None:
+    shards = [gradients(10, np.float32), gradients(11, np.float32)]
+    world = FakeWorld(2)
+
+    def rank_body(world: FakeWorld, rank: int) -> list[tuple[float, bool, bool]]:
+        scaler = scaler_class(init_scale=64.0, comm=FakeVote(world, rank))
+        seen = []
+        for step in range(3):
+            grads = [g.copy() for g in shards[rank]]
+            if step == 1 and rank == 1:
+                grads[2][0, 0] = np.inf
+            scale = scaler.scale_factor()
+            stats = scaler.check(grads, max_norm=1.0)
+            seen.append((float(stats.norm) * scale, bool(stats.finite), scaler.had_overflow()))
+            scaler.update()
+        assert scaler.stats().skipped_steps == 1
+        assert scaler.stats().remote_skipped_steps == (1 if rank == 0 else 0)
+        return seen
+
+    results = run_ranks(world, rank_body)
+    expected = float64_norm(shards[0] + shards[1], 1.0)  # the scales are powers of two: exact factors
+    for step in (0, 2):
+        for rank in (0, 1):
+            norm = results[rank][step][0]
+            assert abs(norm - expected) <= float(np.spacing(np.float32(expected)))
+            assert results[rank][step][1:] == (True, False)
+    assert [results[rank][1][1:] for rank in (0, 1)] == [(False, True), (False, True)]
+    assert [len(world.sums[rank]) for rank in (0, 1)] == [3, 3]  # one all-reduce per check, per rank
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_rank_whose_check_fails_still_joins_the_all_reduce_as_overflowed(scaler_class: type) -> None:
+    world = FakeWorld(2)
+
+    def rank_body(world: FakeWorld, rank: int) -> tuple[bool, int]:
+        scaler = scaler_class(comm=FakeVote(world, rank))
+        grads: list[Any] = gradients(12, np.float32)
+        if rank == 1:
+            grads[1] = "not an array"
+            with pytest.raises(GradientTypeError):
+                scaler.check(grads)
+        else:
+            stats = scaler.check(grads)
+            assert not bool(stats.finite)
+        overflow = scaler.had_overflow()
+        scaler.update()
+        return overflow, scaler.stats().skipped_steps
+
+    assert run_ranks(world, rank_body) == [(True, 1), (True, 1)]
+    assert world.sums[1][0].tolist() == [1.0, 0.0]
+
+
+class LyingVote(FakeVote):
+    """A one-rank vote whose sum answers a count of overflowed ranks that cannot be."""
+
+    def __init__(self, count: float) -> None:
+        super().__init__(FakeWorld(1), 0)
+        self.count = count
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        values[0] = self.count
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("count", [0.5, -1.0, float("nan"), float("inf")])
+def test_an_impossible_overflow_count_is_an_error_and_the_step_is_skipped(scaler_class: type, count: float) -> None:
+    scaler = scaler_class(comm=LyingVote(count))
+    with pytest.raises(CommunicatorError, match="no such count"):
+        scaler.check(gradients(13, np.float32))
+    assert scaler.had_overflow()
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)

@@ -12,6 +12,7 @@ cupy = pytest.importorskip("cupy")
 
 from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
 from cupy_amp.dtypes import bfloat16  # noqa: E402
+from cupy_amp.errors import CommunicatorError  # noqa: E402
 from cupy_amp.optim import SGD, AdamW  # noqa: E402
 from cupy_amp.statistics import STATS, GradientStats  # noqa: E402
 
@@ -277,3 +278,60 @@ def test_check_can_be_captured_right_after_prepare() -> None:
     expected = float64_norm(host, 0.25)
     assert abs(float(stats[0].norm) - expected) <= float(np.spacing(np.float32(expected)))
     assert scaler.stats().steps == 2
+
+
+class OtherRanks:
+    """A communicator stand-in for one GPU: the all-reduce adds the other ranks' (overflowed, sum of squares)."""
+
+    def __init__(self, overflowed: float, sum_of_squares: float) -> None:
+        self.others = (overflowed, sum_of_squares)
+        self.calls = 0
+
+    def reduce_max(self, flags: Any, stream: Any) -> None:
+        raise AssertionError("check() must not take a maximum")
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        raise AssertionError("check() must not take a host maximum")
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        self.calls += 1
+        with stream:
+            values += cupy.asarray(np.array(self.others, dtype=np.float64))
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_class: type) -> None:
+    host = gradients(np.random.default_rng(10), "float32", 1.0)
+    grads = [cupy.asarray(g) for g in host]
+    others = OtherRanks(0.0, 12345.0)
+    scaler = scaler_class(init_scale=16.0, comm=others)
+    stats = scaler.check(grads, max_norm=1.0)
+    local = sum(float(np.sum(np.square(g.astype(np.float64)))) for g in host)
+    expected = float(np.sqrt(local + 12345.0)) / 16.0
+    assert abs(float(cupy.asnumpy(stats.norm)) - expected) <= float(np.spacing(np.float32(expected)))
+    assert bool(stats.finite) and others.calls == 1
+    scaler.update()
+    weights = [cupy.zeros_like(g) for g in grads]
+    optimizer = SGD(weights, lr=1.0)
+    scaler._vote = OtherRanks(1.0, 0.0)  # another rank overflows: every rank skips
+    stats = scaler.check(grads, max_norm=1.0)
+    optimizer.step(grads, stats)
+    assert not bool(stats.finite) and scaler.had_overflow() and scaler.stats().last_overflow == "remote"
+    assert optimizer.step_count == 0 and all(not bool(w.any()) for w in weights)
+    scaler.update()
+    assert scaler.stats().remote_skipped_steps == 1
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_an_impossible_count_from_the_all_reduce_skips_the_step_and_is_reported(scaler_class: type) -> None:
+    grads = [cupy.asarray(g) for g in gradients(np.random.default_rng(11), "float32", 1.0)]
+    scaler = scaler_class(comm=OtherRanks(0.5, 0.0))
+    if scaler_class is GradScaler:
+        with pytest.raises(CommunicatorError, match="no such count"):
+            scaler.check(grads)
+    else:
+        stats = scaler.check(grads)
+        assert not bool(stats.finite)
+        with pytest.raises(CommunicatorError, match="impossible"):
+            scaler.stats()
+    assert scaler.had_overflow()
