@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp import numpy_backend
-from cupy_amp.dtypes import bfloat16, dtype_name
+from cupy_amp.dtypes import bfloat16, dtype_name, is_bfloat16
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
 
 __all__ = ["Call", "CallCache", "Footprint", "GradientSet", "StepClaims", "describe", "parse_gradients", "parse_loss"]
@@ -183,7 +183,7 @@ def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
             f"got {type(loss).__name__}."
         )
     backend, array = found
-    if array.dtype == bfloat16():
+    if is_bfloat16(array.dtype):
         raise GradientTypeError(
             "scale_loss cannot scale a bfloat16 loss: bfloat16 needs no loss scaling. Skip scale_loss and use a "
             "guard scaler (GradScaler.guard()) whose check(gradients) finds inf/nan and clips."
@@ -270,7 +270,7 @@ def _parse(gradients: Any) -> Call:
     _check_disjoint(labels, footprints)
     plan = backend.prepare(arrays)
     cacheable = native and backend.LAYOUT_FIXED
-    has_bfloat16 = bfloat16() is not None and any(array.dtype == bfloat16() for array in arrays)
+    has_bfloat16 = bfloat16() is not None and any(is_bfloat16(array.dtype) for array in arrays)
     devices = tuple(sorted({footprint.device for footprint in footprints}))
     return Call(tuple(labels), tuple(arrays), backend, footprints, plan, cacheable, has_bfloat16, devices)
 

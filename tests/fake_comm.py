@@ -1,7 +1,8 @@
 """An in-process stand-in for a communicator: N ranks as N threads, votes through a barrier.
 
 :class:`FakeVote` implements :class:`cupy_amp.distributed.OverflowVote` for
-NumPy int32 flags and host flags, and ``reduce_sum`` (what ``check()`` needs) for float64 pairs. Every vote is a collective: each rank deposits
+NumPy int32 flags and host flags, and ``reduce_sum`` (what ``check()`` needs)
+for float64 pairs. Every vote is a collective: each rank deposits
 its flag, waits for all the others, then reads the MAX. The barrier has a
 timeout, so a rank that does not join a vote makes the others raise
 ``threading.BrokenBarrierError`` quickly instead of hanging the test run (as a

@@ -10,6 +10,7 @@ from fake_comm import FakeVote, FakeWorld, run_ranks
 from helpers import assert_same_bits
 
 from cupy_amp import GradScaler, SyncFreeGradScaler
+from cupy_amp import dtypes
 from cupy_amp.dtypes import bfloat16
 from cupy_amp.errors import CommunicatorError, ConfigError, GradientTypeError, ScalerProtocolError
 
@@ -222,3 +223,12 @@ def test_a_disabled_scaler_checks_without_scaling_and_records_nothing() -> None:
     assert not scaler.had_overflow()
     scaler.update()
     assert scaler.stats().steps == 0
+
+
+def test_without_ml_dtypes_float64_is_not_taken_for_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NumPy reads a comparison with None as one with float64: a missing bfloat16 must not match it."""
+    monkeypatch.setattr(dtypes, "bfloat16", lambda: None)
+    assert not dtypes.is_bfloat16(np.dtype(np.float64)) and dtypes.dtype_name(np.dtype(np.float64)) == "float64"
+    loss = np.ones((), np.float64)
+    GradScaler(init_scale=4.0).scale_loss(loss)
+    assert loss == 4.0
