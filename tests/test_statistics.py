@@ -9,8 +9,7 @@ import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
 from helpers import assert_same_bits
 
-from cupy_amp import GradScaler, SyncFreeGradScaler
-from cupy_amp import dtypes
+from cupy_amp import GradScaler, SyncFreeGradScaler, dtypes
 from cupy_amp.dtypes import bfloat16
 from cupy_amp.errors import CommunicatorError, ConfigError, GradientTypeError, ScalerProtocolError
 
