@@ -705,7 +705,7 @@ class DeviceStats:
         # [overflowed, sum_of_squares]: the pair a communicator sums over the ranks, in one all-reduce.
         self.values = self._memory[: 2 * 8].view(np.float64)
         norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
-        self.result = GradientStats(norm, clip, finite, self.address)
+        self.result = GradientStats(norm, clip, finite, self.address, device)
 
     def _field(self, name: str, dtype: type) -> cupy.ndarray:
         offset = _STATS_FIELDS[name]
@@ -734,6 +734,7 @@ class DeviceStats:
         to be all-reduced, and :meth:`finish` called.
         """
         self.reserve(plan)
+        self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
         partials, written = int(self._partials.data.ptr), 0
         for launch, grid in self._grids(plan):  # each launch's sums go right after the previous launch's
             launch(
@@ -876,11 +877,28 @@ def load_optimizer(rule: str, device: int) -> None:
             _optimizer_launcher(f"cupy_amp_{rule}_{name}")
 
 
-def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: int) -> None:
-    """Queue an optimizer step on the current stream: begin (reads ``stats``, 0 for none), then every group."""
+def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: GradientStats | None) -> None:
+    """Queue an optimizer step on the current stream: begin (reads ``stats``' record, if any), then every group.
+
+    A record last written on another stream is waited for (an event).
+
+    Raises:
+        ScalerProtocolError: That other stream's work cannot be waited for inside a CUDA graph capture.
+    """
     with _on_device(device):
-        stream = cupy.cuda.get_current_stream().ptr
-        _begin_launcher(rule)(1, stream, hyper=hyper, stats=stats)
+        current = cupy.cuda.get_current_stream()
+        written = stats.stream if stats is not None else None
+        if written is not None and written.ptr != current.ptr:
+            if current.is_capturing():
+                raise ScalerProtocolError(
+                    "The optimizer step is captured on another stream than the check() that wrote its statistics: "
+                    "capture both on one stream."
+                )
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(written)
+            current.wait_event(event)
+        stream = current.ptr
+        _begin_launcher(rule)(1, stream, hyper=hyper, stats=0 if stats is None else stats.source)
         for table in tables:
             grid = min(table.chunk_count, _MAX_GRID)
             _optimizer_launcher(table.entry)(

@@ -114,11 +114,15 @@ class GradientStats:
         finite: 0-d bool array, the step's verdict (True: no rank overflowed).
     """
 
-    def __init__(self, norm: Any, clip_coefficient: Any, finite: Any, source: np.ndarray | int) -> None:
+    def __init__(
+        self, norm: Any, clip_coefficient: Any, finite: Any, source: np.ndarray | int, device: int = -1
+    ) -> None:
         self.norm = norm
         self.clip_coefficient = clip_coefficient
         self.finite = finite
         self.source = source  # the host's 0-d STATS record, or the device record's address
+        self.device = device  # where the record is (-1: the host)
+        self.stream: Any = None  # the CuPy stream the latest check() finished the record on (None on the host)
 
     def __repr__(self) -> str:
         where = "on the host" if isinstance(self.source, np.ndarray) else "on the device"

@@ -22,6 +22,7 @@ from cupy_amp.errors import (
 )
 from cupy_amp.optim import SGD, AdamW
 from cupy_amp.optim.reference import fma32
+from cupy_amp.statistics import GradientStats
 
 SHAPES = [(37, 5), (1000,), (3, 3, 3)]
 
@@ -221,6 +222,9 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
         opt.step([weights[0], *grads[1:]])  # a gradient that is its own parameter
     with pytest.raises(ArgumentTypeError, match="GradientStats"):
         opt.step(grads, stats=object())  # type: ignore[arg-type]
+    device_stats = GradientStats(np.float32(0), np.float32(1), np.True_, 0x7F0000000000, 0)
+    with pytest.raises(ArgumentTypeError, match="ran on device 0"):
+        opt.step(grads, stats=device_stats)
     assert opt.step_count == 0
     for w, s in zip(weights, saved):
         assert_same_bits(w, s)

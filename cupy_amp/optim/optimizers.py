@@ -197,31 +197,29 @@ class _FusedOptimizer:
                 dtype, device or layout than its parameter, or sharing memory with the optimizer's state.
         """
         grads = list(gradients)
-        source = self._expect_stats(stats)
+        self._expect_stats(stats)
         with self._lock:
             self._expect_gradients(grads)
             if self._device_record is None:
-                self._host_step(grads, source)
+                record = stats.source if stats is not None else None
+                self._host_step(grads, record if isinstance(record, np.ndarray) else None)
             else:
                 tables = self._tables_for(grads)
-                self._backend.optimizer_step(
-                    self._rule, self._device, tables, int(self._device_record.data.ptr), source or 0
-                )
+                self._backend.optimizer_step(self._rule, self._device, tables, int(self._device_record.data.ptr), stats)
 
-    def _expect_stats(self, stats: GradientStats | None) -> Any:
+    def _expect_stats(self, stats: GradientStats | None) -> None:
         if stats is None:
-            return None
+            return
         if not isinstance(stats, GradientStats):
             raise ArgumentTypeError(
                 f"stats: expected the GradientStats of a scaler's check(), got {type(stats).__name__}."
             )
-        on_host = isinstance(stats.source, np.ndarray)
-        if on_host != (self._device_record is None):
-            where = "NumPy" if self._device_record is None else "CuPy"
+        if stats.device != self._device:
+            ours, theirs = (_where(device) for device in (self._device, stats.device))
             raise ArgumentTypeError(
-                f"stats: this optimizer's parameters are {where} arrays; check() ran on the other kind."
+                f"stats: this optimizer's parameters are on {ours}; the check() that made these statistics ran "
+                f"on {theirs}."
             )
-        return stats.source
 
     def _expect_gradients(self, grads: list[Any]) -> None:
         if len(grads) != len(self._params):
@@ -485,6 +483,10 @@ class SGD(_FusedOptimizer):
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
         reference.sgd_update(record, grad, weights, *moments)
+
+
+def _where(device: int) -> str:
+    return "the host" if device < 0 else f"device {device}"
 
 
 def _address(array: Any) -> int:

@@ -335,3 +335,30 @@ def test_an_impossible_count_from_the_all_reduce_skips_the_step_and_is_reported(
         with pytest.raises(CommunicatorError, match="impossible"):
             scaler.stats()
     assert scaler.had_overflow()
+
+
+_SPIN = cupy.RawKernel(
+    'extern "C" __global__ void spin(long long cycles) { long long t = clock64(); while (clock64() - t < cycles) {} }',
+    "spin",
+)
+
+
+def test_an_optimizer_step_on_another_stream_waits_for_the_check_it_reads() -> None:
+    """The record is finished late on stream A (behind a long kernel); the step on stream B must see it."""
+    grads = [cupy.ones(1000, cupy.float32)]
+    weights = [cupy.zeros(1000, cupy.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
+    with first:
+        grads[0][0] = cupy.inf
+        optimizer.step(grads, scaler.check(grads))  # skipped: the record says skip
+        scaler.update()
+        grads[0][0] = 1.0
+        _SPIN((1,), (1,), (np.int64(500_000_000),))  # about a quarter of a second
+        stats = scaler.check(grads)
+    with second:
+        optimizer.step(grads, stats)
+    cupy.cuda.Device().synchronize()
+    assert optimizer.step_count == 1
+    assert cupy.asnumpy(weights[0]).tolist() == [-1.0] * 1000
