@@ -17,6 +17,7 @@ import cupy
 import numpy as np
 
 from cupy_amp import GradScaler, GradScalerCheckpoint, SyncFreeGradScaler
+from cupy_amp.optim import AdamW
 
 SCALER: type = GradScaler  # SyncFreeGradScaler for "+syncfree" scenarios
 
@@ -171,7 +172,31 @@ def captured_remote_overflow(rank: int, world: int, comm: object, out: Path) -> 
     return results
 
 
+def sharded_check_adamw(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
+    """Each rank holds half of the gradients (sharded): check() gives both the global norm and one verdict."""
+    rng = np.random.default_rng(100 + rank)
+    scaler = SCALER(init_scale=2.0**8, growth_interval=4, comm=comm)
+    weights = cupy.asarray(np.random.default_rng(7).standard_normal(4096).astype(np.float16))  # same on both
+    optimizer = AdamW([weights], lr=1e-3)
+    results: dict[str, list[object]] = {"norms": [], "local_sums": [], "finite": [], "stats": []}
+    for step in range(12):
+        grad = cupy.asarray((rng.standard_normal(4096) * 3).astype(np.float16))
+        if rank == 1 and step in (3, 8):
+            grad[17] = cupy.nan
+        results["local_sums"].append(float(cupy.sum(grad.astype(cupy.float64) ** 2)))
+        scale = scaler.scale_factor()
+        stats = scaler.check([grad], max_norm=50.0)
+        optimizer.step([grad], stats)  # each rank updates the same weights from its own shard here
+        results["norms"].append(float(cupy.asnumpy(stats.norm)) * scale)
+        results["finite"].append(bool(stats.finite))
+        scaler.update()
+        results["stats"].append(stats_row(scaler))
+    results["optimizer_steps"] = optimizer.step_count
+    return results
+
+
 SCENARIOS = {
+    "sharded_check_adamw": sharded_check_adamw,
     "captured_remote_overflow": captured_remote_overflow,
     "scripted_remote_overflow": scripted_remote_overflow,
     "no_gradients": no_gradients,
@@ -190,7 +215,7 @@ def main() -> int:
     if "syncfree" in variants:
         SCALER = SyncFreeGradScaler
     comm = init(rank, world, port, out, raw=raw)
-    if raw and name not in ("scripted_remote_overflow", "captured_remote_overflow"):
+    if raw and name not in ("scripted_remote_overflow", "captured_remote_overflow", "sharded_check_adamw"):
         raise SystemExit("the raw-communicator variant is only wired for the scripted scenarios")
     result = SCENARIOS[name](rank, world, comm, out)
     (out / f"rank{rank}.json").write_text(json.dumps(result))

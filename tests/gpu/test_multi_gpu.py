@@ -131,3 +131,24 @@ def test_a_captured_sync_free_step_with_its_all_reduce_agrees_on_every_rank(tmp_
     assert [i for i in range(1, 20) if skipped[i] > skipped[i - 1]] == [2, 3, 9, 15] and skipped[0] == 0
     assert rank0["stats"][2]["last_overflow"] == "local" and rank1["stats"][2]["last_overflow"] == "remote"
     assert rank0["weights"] == rank1["weights"]
+
+
+@pytest.mark.parametrize(
+    "variant",
+    ["", "+raw", "+syncfree", "+raw+syncfree"],
+    ids=["NCCLBackend", "NcclCommunicator", "sync-free", "sync-free-raw"],
+)
+def test_check_gives_every_rank_the_global_norm_of_sharded_gradients_and_one_verdict(
+    tmp_path: Path, variant: str
+) -> None:
+    rank0, rank1 = run_ranks("sharded_check_adamw" + variant, tmp_path)
+    assert rank0["finite"] == rank1["finite"]
+    assert [i for i, ok in enumerate(rank0["finite"]) if not ok] == [3, 8]
+    for step, ok in enumerate(rank0["finite"]):
+        if ok:
+            expected = (rank0["local_sums"][step] + rank1["local_sums"][step]) ** 0.5
+            assert rank0["norms"][step] == rank1["norms"][step]
+            assert abs(rank0["norms"][step] - expected) <= expected * 2**-23
+    assert [_agreed(s) for s in rank0["stats"]] == [_agreed(s) for s in rank1["stats"]]
+    assert rank0["optimizer_steps"] == rank1["optimizer_steps"] == 10
+    assert rank0["stats"][3]["last_overflow"] == "remote" and rank1["stats"][3]["last_overflow"] == "local"
