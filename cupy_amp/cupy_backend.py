@@ -784,6 +784,7 @@ class Checked:
     ) -> None:  # fmt: skip
         self._plan, self._stats, self._stream, self._epoch = plan, stats, stream, epoch
         self._inverse, self._max_norm, self._voting = inverse, max_norm, voting
+        self._voted = False
 
     def vote(self, vote: OverflowVote) -> None:
         """Queue the SUM all-reduce of the (overflowed, sum of squares) pair, then the finish; never waits.
@@ -793,12 +794,14 @@ class Checked:
         stats = self._stats
         with _on_device(stats.device):
             vote.reduce_sum(stats.values, self._stream)  # type: ignore[attr-defined]
-            stats.finish(self._stream, state=0, inv_scale=self._inverse, max_norm=self._max_norm)
+        self._voted = True
 
     def result(self) -> tuple[bool, float | None, tuple[int, ...]]:
-        """Wait for the pass; return (this rank's overflow, the ranks' overflow count or None, culprit positions)."""
+        """Finish after the vote, wait; return (this rank's overflow, the ranks' overflow count or None, culprits)."""
         stats = self._stats
         with _on_device(stats.device):
+            if self._voted:
+                stats.finish(self._stream, state=0, inv_scale=self._inverse, max_norm=self._max_norm)
             record = np.frombuffer(stats._memory.get(stream=self._stream).tobytes(), dtype=STATS)[0]  # waits
             local = bool(record["found"])
             culprits: list[int] = []
@@ -1079,7 +1082,10 @@ class DeviceState:
         self._launch("cupy_amp_combine_vote")
 
     def mark_overflow(self) -> None:
+        """Count the open step as this rank's overflow; its statistics record too says skip."""
         self._launch("cupy_amp_mark_overflow")
+        with _on_device(self.device), self.follow():
+            self.stats.skip.fill(1)
 
     def update(self) -> None:
         self._launch("cupy_amp_update_state")

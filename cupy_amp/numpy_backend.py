@@ -148,6 +148,7 @@ class HostStats:
 
     def __init__(self, finite: np.ndarray) -> None:
         self.record = np.zeros((), dtype=STATS)
+        self.skip = self.record["skip"]
         self.result = GradientStats(self.record["norm"], self.record["clip_coefficient"], finite, self.record)
 
 
@@ -243,8 +244,10 @@ class HostState:
             self._finite[()] = False
 
     def mark_overflow(self) -> None:
+        """Count the open step as this rank's overflow; its statistics record too says skip."""
         self._found = True
         self._finite[()] = False
+        self.stats.record["skip"] = 1
 
     def update(self) -> None:
         self._state = next_state(self._config, self._state, not bool(self._finite), self._found)

@@ -290,8 +290,8 @@ class GradScaler:
         gradients too) and the same verdict, and a rank's own overflow always
         counts. Every rank must call ``check()`` in the same steps; a call that
         fails anywhere still joins the all-reduce, as an overflowed rank.
-        Disabled: the statistics are computed with no scale (inverse 1), with no
-        all-reduce, and nothing is recorded.
+        Disabled: the statistics (all-reduce included) are computed with no
+        scale (inverse 1), and the scaler records nothing.
 
         Raises:
             ConfigError: ``max_norm`` is not None or a positive float32 number, or the
@@ -304,7 +304,7 @@ class GradScaler:
         limit = expect_max_norm(max_norm)
         with self._order:
             refuse_second_check(self._order.phase == CHECKED)
-            vote = self._vote if self._enabled else None
+            vote = self._vote
             try:
                 if vote is not None:
                     require_sums(vote)
@@ -318,21 +318,20 @@ class GradScaler:
                 raise  # every rank refuses alike: nobody votes
             except BaseException as error:
                 if vote is not None:
-                    self._record_failure(())
-                    self._checked_read_only = True
+                    self._fail_check(None, ())
                     sums_after_failure(vote, error)
                 raise
             inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
+            self._order.phase = CHECKED
+            self._checked_read_only = True
             if self._enabled:
                 self._begin_checks()
                 self._claims = StepClaims()
-                self._checked_read_only = True
-            else:
-                self._order.phase = CHECKED
-            stats = self._stats_for(call)
             backend = call.backend if call.backend is not None else numpy_backend
+            stats = None
             voted = False
             try:
+                stats = self._stats_for(call)
                 checked = backend.check(call.plan, call.arrays, stats, inverse, limit, vote is not None)
                 if vote is not None:
                     checked.vote(vote)  # a vote that raises took no part: sums_after_failure joins below
@@ -340,8 +339,7 @@ class GradScaler:
                 local, count, culprits = checked.result()
                 agreed = overflow_count_verdict(count, local) if count is not None else False
             except BaseException as error:
-                if self._enabled:
-                    self._record_failure(call.labels)
+                self._fail_check(stats, call.labels)
                 if vote is not None and not voted:
                     sums_after_failure(vote, error)
                 raise
@@ -351,6 +349,17 @@ class GradScaler:
                 self._found_overflow_local = local
             stats.result.finite[()] = not (local or agreed)
             return stats.result  # type: ignore[no-any-return]
+
+    def _fail_check(self, stats: Any, labels: tuple[Hashable, ...]) -> None:
+        """Count a failed ``check()`` as an overflow: the scaler's step (if enabled) and its statistics record."""
+        self._checked_read_only = True
+        if self._enabled:
+            self._record_failure(labels)
+        else:
+            self._order.phase = CHECKED
+        if stats is not None:
+            stats.result.finite[()] = False
+            stats.skip[...] = 1  # the optimizers read it: a failed check never lets them apply the step
 
     def _stats_for(self, call: Call) -> Any:
         """Return this scaler's statistics record for a call's device, made on first use."""

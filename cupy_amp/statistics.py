@@ -43,7 +43,7 @@ STATS = np.dtype(
 
 
 def expect_max_norm(max_norm: object) -> float:
-    """Return ``max_norm`` as a float; 0.0 stands for None (no clipping).
+    """Return ``max_norm`` rounded to float32 (what the kernels receive); 0.0 stands for None (no clipping).
 
     Raises:
         ConfigError: Not None and not a finite number > 0 that float32 holds as a normal number.
@@ -53,7 +53,7 @@ def expect_max_norm(max_norm: object) -> float:
     value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
     if not float(np.finfo(np.float32).tiny) <= value <= float(np.finfo(np.float32).max):
         raise ConfigError(f"Invalid 'max_norm': expected None or a finite number > 0 (float32), got {max_norm!r}.")
-    return value
+    return float(np.float32(value))
 
 
 def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:

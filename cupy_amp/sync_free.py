@@ -122,7 +122,7 @@ class SyncFreeGradScaler:
         """
         gradient_set = gradients if type(gradients) is GradientSet else GradientSet(gradients)
         with self._order:
-            call = parse_gradients(gradient_set, one_device=True)
+            call = parse_gradients(gradient_set, one_device=True, in_place=False)  # for check() too
             if call.backend is not None:
                 self._state_for(call.backend, call.footprints[0].device).prepare(call)
         return gradient_set
@@ -263,10 +263,10 @@ class SyncFreeGradScaler:
                     self._checked_read_only = True
                     self._fail_call(None, vote, error, sums_after_failure)
                 raise
-            self._open_checks(StepClaims())
             self._checked_read_only = True
             voted = False
             try:
+                self._open_checks(StepClaims())
                 culprits = state.check(call, limit, vote is not None)
                 if vote is not None:
                     state.vote_sums(vote)  # a vote that raises took no part: _fail_call joins for this rank

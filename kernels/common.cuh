@@ -249,10 +249,10 @@ __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __uint_as_float((u32)h << 16);
 }
 
-// Round to nearest even, as ml_dtypes does; a NaN stays a (quiet) NaN of the same sign.
+// Round to nearest even, as ml_dtypes does; a NaN becomes ml_dtypes' quiet NaN of the same sign.
 __device__ __forceinline__ u16 f32_to_bf16(float f) {
     u32 u = __float_as_uint(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)((u >> 16) | 0x0040u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (u16)(((u >> 16) & 0x8000u) | 0x7fc0u);
     return (u16)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 

@@ -207,6 +207,8 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
         AdamW([np.zeros(3)])
     with pytest.raises(GradientValueError, match="C-contiguous"):
         AdamW([np.zeros((4, 4), np.float32).T])
+    with pytest.raises(GradientValueError, match="aligned"):
+        AdamW([np.frombuffer(bytearray(17), dtype=np.uint8)[1:].view(np.float32)])
     shared = np.zeros(8, np.float32)
     with pytest.raises(GradientValueError, match="share memory"):
         AdamW([shared[:5], shared[4:]])
@@ -296,3 +298,13 @@ def test_every_field_of_the_state_round_trips() -> None:
     other = AdamW(params(16, np.float16), lr=0.5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     other.load_state_dict(state)
     assert other.state_dict() == state and other.lr == 0.02
+
+
+@pytest.mark.parametrize("lr", [-5.0, 10**400, float("nan")])
+def test_a_state_with_a_bad_learning_rate_is_refused(lr: Any) -> None:
+    opt = AdamW(params(17))
+    state = opt.state_dict()
+    state["record"]["lr"] = lr
+    with pytest.raises(CheckpointFieldError, match="'lr'"):
+        opt.load_state_dict(state)
+    assert opt.lr == 1e-3

@@ -231,3 +231,94 @@ def test_without_ml_dtypes_float64_is_not_taken_for_bfloat16(monkeypatch: pytest
     loss = np.ones((), np.float64)
     GradScaler(init_scale=4.0).scale_loss(loss)
     assert loss == 4.0
+
+
+class BrokenSumVote(FakeVote):
+    """A one-rank vote whose all-reduce raises (a peer reset)."""
+
+    def __init__(self) -> None:
+        super().__init__(FakeWorld(1), 0)
+        self.broken = False
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        if self.broken:
+            raise RuntimeError("peer reset")
+        super().reduce_sum(values, stream)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_after_a_failed_check_the_optimizer_does_not_apply_the_step(scaler_class: type) -> None:
+    from cupy_amp.optim import SGD
+
+    vote = BrokenSumVote()
+    scaler = scaler_class(comm=vote)
+    weights = [np.zeros(4, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    grads = [np.ones(4, np.float32)]
+    stats = scaler.check(grads)
+    optimizer.step(grads, stats)
+    scaler.update()
+    vote.broken = True
+    with pytest.raises(CommunicatorError, match="peer reset"):
+        scaler.check(grads)  # the same record object as `stats`: it must now say skip
+    optimizer.step(grads, stats)
+    assert optimizer.step_count == 1 and weights[0].tolist() == [-1.0 / 65536] * 4
+    assert not bool(stats.finite) and scaler.had_overflow()
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_rank_failing_after_the_step_opened_still_joins_and_counts_the_overflow(
+    scaler_class: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    world = FakeWorld(2)
+
+    def rank_body(world: FakeWorld, rank: int) -> tuple[bool, int]:
+        scaler = scaler_class(comm=FakeVote(world, rank))
+        if rank == 0:  # something fails between opening the step and the all-reduce
+            target = scaler._state if scaler_class is SyncFreeGradScaler else scaler
+            name = "begin_step" if scaler_class is SyncFreeGradScaler else "_stats_for"
+
+            def fail(*args: Any) -> None:
+                raise MemoryError("out of memory")
+
+            setattr(target, name, fail)
+            with pytest.raises(MemoryError):
+                scaler.check(gradients(14, np.float32))
+        else:
+            scaler.check(gradients(14, np.float32))
+        overflow = scaler.had_overflow()
+        scaler.update()
+        return overflow, scaler.stats().skipped_steps
+
+    assert run_ranks(world, rank_body) == [(True, 1), (True, 1)]
+
+
+def test_a_disabled_scaler_with_a_communicator_still_gives_every_rank_the_global_norm() -> None:
+    world = FakeWorld(2)
+    shards = [[np.full(9, 1.0, np.float32)], [np.full(16, 1.0, np.float32)]]
+
+    def rank_body(world: FakeWorld, rank: int) -> tuple[float, bool]:
+        scaler = GradScaler(enabled=False, comm=FakeVote(world, rank))
+        grads = [g.copy() for g in shards[rank]]
+        stats = scaler.check(grads, max_norm=1.0)
+        scaler.update()
+        return float(stats.norm), bool(stats.finite)
+
+    assert run_ranks(world, rank_body) == [(5.0, True), (5.0, True)]
+
+
+def test_the_clip_threshold_is_rounded_to_float32_as_the_gpu_receives_it() -> None:
+    from cupy_amp.statistics import expect_max_norm
+
+    assert expect_max_norm(0.1) == float(np.float32(0.1)) != 0.1
+    grads = [np.full(10, 1.0, np.float32)]
+    stats = GradScaler(init_scale=1.0).check(grads, max_norm=0.1)
+    expected = np.float32(float(np.float32(0.1)) / (float(np.float32(np.sqrt(10.0))) + 1e-6))
+    assert np.float32(stats.clip_coefficient) == expected
+
+
+@pytest.mark.skipif(BF16 is None, reason="needs ml_dtypes for bfloat16")
+def test_prepare_takes_bfloat16_gradients_for_check() -> None:
+    scaler = SyncFreeGradScaler.guard()
+    prepared = scaler.prepare(gradients(15, BF16))
+    assert bool(scaler.check(prepared).finite)

@@ -122,7 +122,7 @@ class _FusedOptimizer:
                 raise GradientTypeError(
                     f"params[{index}]: dtype {p.dtype} is not supported (expected float16, bfloat16 or float32)."
                 )
-            if not p.flags.c_contiguous or (module == "numpy" and not (p.flags.writeable and p.flags.aligned)):
+            if not p.flags.c_contiguous or not _aligned(p) or (module == "numpy" and not p.flags.writeable):
                 raise GradientValueError(f"params[{index}]: must be a writable, aligned, C-contiguous array.")
             kinds.add(module)
         if len(kinds) > 1:
@@ -149,7 +149,8 @@ class _FusedOptimizer:
         """Return the current record (synchronizes on the GPU: the device owns the counters)."""
         if self._device_record is None:
             return self._record
-        with self._xp.cuda.Device(self._device):
+        with self._xp.cuda.Device(self._device) as device:
+            device.synchronize()  # steps may be queued on any stream
             return np.frombuffer(self._device_record.get().tobytes(), dtype=self._record_dtype).reshape(())
 
     @property
@@ -161,11 +162,12 @@ class _FusedOptimizer:
     def lr(self, value: float) -> None:
         lr = _number("lr", value, 0.0)
         with self._lock:
-            self._record["lr"] = lr
             if self._device_record is not None:
+                self._backend.refuse_capture("a new learning rate is copied from the host")
                 offset = self._record_dtype.fields["lr"][1]  # type: ignore[index]
                 with self._xp.cuda.Device(self._device):
                     self._device_record[offset : offset + 8].set(np.array([lr], dtype="<f8").view(np.uint8))
+            self._record["lr"] = lr  # after the device's copy: the two never disagree
 
     @property
     def step_count(self) -> int:
@@ -232,8 +234,10 @@ class _FusedOptimizer:
                     f"gradients[{index}]: expected {p.dtype} of shape {p.shape} (its parameter's), got {g.dtype} of "
                     f"shape {g.shape}."
                 )
-            if not g.flags.c_contiguous or (self._device >= 0 and g.data.device_id != self._device):
-                raise GradientValueError(f"gradients[{index}]: must be C-contiguous and on the parameters' device.")
+            if not g.flags.c_contiguous or not _aligned(g) or (self._device >= 0 and g.data.device_id != self._device):
+                raise GradientValueError(
+                    f"gradients[{index}]: must be aligned, C-contiguous and on the parameters' device."
+                )
 
     def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
         skip = bool(source["skip"]) if source is not None else False
@@ -304,6 +308,8 @@ class _FusedOptimizer:
         """
         record, buffers = self._validated(state)
         with self._lock:
+            if self._device_record is not None:
+                self._xp.cuda.Device(self._device).synchronize()  # no queued step still uses the buffers
             for name, arrays in buffers.items():
                 targets = self._masters if name == "master" else self._buffers[name]
                 for target, data in zip(targets, arrays):
@@ -335,10 +341,12 @@ class _FusedOptimizer:
             value = fields[name]
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise bad(f"record field {name!r} must be a number, got {value!r}")
-            if isinstance(value, float) and not math.isfinite(value):
+            if not _finite(value):
                 raise bad(f"record field {name!r} must be finite, got {value!r}")
             if name == "step" and not (isinstance(value, int) and 0 <= value < 2**64):
                 raise bad(f"'step' must be an int >= 0, got {value!r}")
+            if name == "lr" and not value >= 0:
+                raise bad(f"'lr' must be >= 0, got {value!r}")
             if name.endswith("_power") and not 0.0 <= value <= 1.0:
                 raise bad(f"{name!r} must be between 0 and 1, got {value!r}")
             record[name] = value
@@ -483,6 +491,18 @@ class SGD(_FusedOptimizer):
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
         reference.sgd_update(record, grad, weights, *moments)
+
+
+def _finite(value: float) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:  # an int beyond float64
+        return False
+
+
+def _aligned(array: Any) -> bool:
+    """Whether the array's address is a multiple of its itemsize (the GPU cannot load it otherwise)."""
+    return _address(array) % array.itemsize == 0 and (not isinstance(array, np.ndarray) or array.flags.aligned)
 
 
 def _where(device: int) -> str:
