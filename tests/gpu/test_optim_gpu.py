@@ -362,3 +362,45 @@ def test_an_optimizer_step_on_another_stream_waits_for_the_check_it_reads() -> N
     cupy.cuda.Device().synchronize()
     assert optimizer.step_count == 1
     assert cupy.asnumpy(weights[0]).tolist() == [-1.0] * 1000
+
+
+def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_amp import cupy_backend
+
+    grads = [cupy.ones(100, cupy.float32)]
+    others = OtherRanks(0.0, 0.0)
+    scaler = GradScaler(comm=others)
+
+    def broken_finish(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(cupy_backend.DeviceStats, "finish", broken_finish)
+    with pytest.raises(RuntimeError, match="launch failed"):
+        scaler.check(grads)
+    assert others.calls == 1  # joined once: a second all-reduce would pair with the other ranks' next one
+    assert scaler.had_overflow()
+
+
+def test_the_clip_coefficient_has_the_same_bits_on_the_gpu_and_the_host() -> None:
+    host = [np.full(10, 1.0, np.float32), np.arange(7, dtype=np.float32)]
+    for max_norm in (0.1, 0.3, 7.7):
+        on_gpu = GradScaler(init_scale=1.0).check([cupy.asarray(g) for g in host], max_norm=max_norm)
+        on_host = GradScaler(init_scale=1.0).check(host, max_norm=max_norm)
+        assert cupy.asnumpy(on_gpu.norm).tobytes() == np.asarray(on_host.norm).tobytes()
+        assert cupy.asnumpy(on_gpu.clip_coefficient).tobytes() == np.asarray(on_host.clip_coefficient).tobytes()
+
+
+def test_a_learning_rate_cannot_change_inside_a_capture() -> None:
+    from cupy_amp.errors import ScalerProtocolError
+
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        weights = cupy.zeros(8, cupy.float32)
+        optimizer = SGD([weights], lr=1.0)
+        stream.begin_capture()
+        try:
+            with pytest.raises(ScalerProtocolError, match="learning rate"):
+                optimizer.lr = 0.5
+        finally:
+            stream.end_capture()
+    assert optimizer.lr == 1.0
