@@ -425,6 +425,7 @@ class GradScaler:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
         with self._order:
+            self._checked_read_only = False
             if not self._enabled:
                 self._order.phase = IDLE
                 return

@@ -213,6 +213,15 @@ def test_bfloat16_is_checked_but_never_scaled_or_unscaled(scaler_class: type) ->
     assert not bool(stats.finite) and scaler.nonfinite_gradients() == [2]
 
 
+def test_a_disabled_scaler_takes_unscale_and_check_in_the_step_after_a_check() -> None:
+    scaler = GradScaler(enabled=False)
+    grads = gradients(16, np.float32)
+    scaler.check(grads)
+    scaler.update()
+    assert scaler.unscale_and_check(grads)
+    scaler.update()
+
+
 def test_a_disabled_scaler_checks_without_scaling_and_records_nothing() -> None:
     scaler = GradScaler(init_scale=8.0, enabled=False)
     grads = gradients(9, np.float32)
