@@ -699,6 +699,7 @@ class DeviceStats:
             self._grid = _stats_grid()
             self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
             self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
+            self._retired: list[cupy.ndarray] = []  # smaller ones it replaced, which captured graphs may still use
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
@@ -721,6 +722,7 @@ class DeviceStats:
         blocks = sum(grid for _, grid in self._grids(plan))
         if blocks > self._partials.size:
             refuse_capture("the statistics buffer must first grow to these gradients' size")
+            self._retired.append(self._partials)  # a graph captured before still writes it: never freed
             with _on_device(self.device):
                 self._partials = cupy.zeros(blocks, dtype=np.float64)
 
@@ -1097,7 +1099,7 @@ class DeviceState:
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             self._last_stream = None
-            for group in call.plan:
+            for group in call.plan or ():
                 seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))

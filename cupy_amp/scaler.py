@@ -317,9 +317,11 @@ class GradScaler:
             except ConfigError:
                 raise  # every rank refuses alike: nobody votes
             except BaseException as error:
-                if vote is not None:
-                    self._fail_check(None, ())
-                    sums_after_failure(vote, error)
+                try:
+                    self._fail_check((), counted=vote is not None)  # with a communicator, a rejected call counts
+                finally:
+                    if vote is not None:
+                        sums_after_failure(vote, error)
                 raise
             inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
             self._order.phase = CHECKED
@@ -328,7 +330,6 @@ class GradScaler:
                 self._begin_checks()
                 self._claims = StepClaims()
             backend = call.backend if call.backend is not None else numpy_backend
-            stats = None
             voted = False
             try:
                 stats = self._stats_for(call)
@@ -339,9 +340,11 @@ class GradScaler:
                 local, count, culprits = checked.result()
                 agreed = overflow_count_verdict(count, local) if count is not None else False
             except BaseException as error:
-                self._fail_check(stats, call.labels)
-                if vote is not None and not voted:
-                    sums_after_failure(vote, error)
+                try:
+                    self._fail_check(call.labels, counted=True)
+                finally:
+                    if vote is not None and not voted:
+                        sums_after_failure(vote, error)
                 raise
             if self._enabled:
                 self._records.append(_Record(call.labels, culprits))
@@ -350,16 +353,20 @@ class GradScaler:
             stats.result.finite[()] = not (local or agreed)
             return stats.result  # type: ignore[no-any-return]
 
-    def _fail_check(self, stats: Any, labels: tuple[Hashable, ...]) -> None:
-        """Count a failed ``check()`` as an overflow: the scaler's step (if enabled) and its statistics record."""
-        self._checked_read_only = True
-        if self._enabled:
-            self._record_failure(labels)
-        else:
-            self._order.phase = CHECKED
-        if stats is not None:
+    def _fail_check(self, labels: tuple[Hashable, ...], *, counted: bool) -> None:
+        """Record a failed ``check()``: every statistics record says skip, so no optimizer applies the step.
+
+        With ``counted`` the step counts as an overflow (an enabled scaler's update() backs off).
+        """
+        if counted:
+            self._checked_read_only = True
+            if self._enabled:
+                self._record_failure(labels)
+            else:
+                self._order.phase = CHECKED
+        for stats in self._stats.values():  # the device ones may raise (a broken device): the caller still votes
             stats.result.finite[()] = False
-            stats.skip[...] = 1  # the optimizers read it: a failed check never lets them apply the step
+            stats.skip[...] = 1
 
     def _stats_for(self, call: Call) -> Any:
         """Return this scaler's statistics record for a call's device, made on first use."""

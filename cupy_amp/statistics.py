@@ -50,7 +50,10 @@ def expect_max_norm(max_norm: object) -> float:
     """
     if max_norm is None:
         return 0.0
-    value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
+    try:
+        value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond float64
+        value = math.nan
     if not float(np.finfo(np.float32).tiny) <= value <= float(np.finfo(np.float32).max):
         raise ConfigError(f"Invalid 'max_norm': expected None or a finite number > 0 (float32), got {max_norm!r}.")
     return float(np.float32(value))

@@ -178,8 +178,8 @@ def test_compare_prints_three_rows_and_a_real_difference() -> None:
         rows[label] = line[len(label) :].split()
     accuracy, _, skipped, zeroed = rows["fp16 + loss scaling"]
     assert int(skipped) >= 4  # the too-high start overflows
-    assert rows["fp16, no loss scaling"][2] == "0"  # a disabled scaler never skips
-    assert rows["fp32"][2:] == ["-", "-"]
+    assert rows["fp16, no loss scaling"][2] == "0"  # nothing overflows without a scale (it underflows instead)
+    assert rows["fp32"][2:] == ["0", "-"]
     # Measured, not asserted by construction: unscaled fp16 loses many gradient elements, scaled fp16 almost none.
     unscaled_zeroed = float(rows["fp16, no loss scaling"][3].rstrip("%"))
     assert unscaled_zeroed > 20
@@ -318,6 +318,14 @@ def test_clipping_happens_inside_the_fused_update_when_the_norm_exceeds_clip() -
     assert default.status == loose.status == tight.status == 0
     final = [_line(result.out, "eval") for result in (default, loose, tight)]
     assert final[0] != final[2] and final[1] != final[2]
+
+
+def test_the_comparison_counts_the_skips_of_a_run_without_scaling() -> None:
+    """A disabled scaler's check() skips steps with inf/nan; the table counts them from the run's history."""
+    result = demo("--steps", "30", "--compare", "--loss-weight", "2**20", "--init-scale", "1", "--clip", "1")
+    assert result.status == 0, result.err
+    line = next(line for line in result.out.splitlines() if line.startswith("fp16, no loss scaling "))
+    assert int(line[len("fp16, no loss scaling") :].split()[2]) > 0
 
 
 def test_a_disabled_scaler_makes_the_loop_plain_fp16() -> None:
@@ -495,3 +503,18 @@ def test_the_graph_example_has_help_and_a_one_line_error_without_a_gpu() -> None
     assert refused.returncode == 1
     assert refused.stderr.startswith("this example needs a GPU")
     assert len(refused.stderr.splitlines()) == 1
+
+
+def test_a_clip_threshold_that_cannot_fit_float32_is_a_usage_error() -> None:
+    result = demo("--steps", "2", "--clip", "1e39", "--loss-weight", "1")
+    assert result.status == 2 and "clip=" in result.err and "unexpected" not in result.err
+    assert result.out == ""  # refused before training
+
+
+def test_resume_refuses_an_optimizer_with_more_updates_than_steps(tmp_path: Path) -> None:
+    assert demo("--steps", "3", "--out", str(tmp_path)).status == 0
+    arrays = saved_arrays(tmp_path)
+    arrays["adam_t"] = np.array(10**12, dtype=np.int64)
+    np.savez(tmp_path / "state.npz", **arrays)
+    result = demo("--resume", str(tmp_path), "--steps", "6")
+    assert result.status == 1 and "updates in 3 steps" in result.err

@@ -185,6 +185,7 @@ def test_the_clip_coefficient_and_inverse_scale_multiply_the_gradient_inside_the
     ("make", "match"),
     [
         (lambda p: AdamW(p, lr=-1), "'lr'"),
+        (lambda p: AdamW(p, lr=10**400), "'lr'"),
         (lambda p: AdamW(p, betas=(1.0, 0.9)), "'betas\\[0\\]'"),
         (lambda p: AdamW(p, betas=(0.9,)), "'betas'"),
         (lambda p: AdamW(p, eps=float("nan")), "'eps'"),

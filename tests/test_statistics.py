@@ -87,7 +87,7 @@ def test_check_is_the_steps_only_gradient_call(scaler_class: type) -> None:
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
-@pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), 1e39, "1", True, 1e-45])
+@pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), 1e39, 10**400, "1", True, 1e-45])
 def test_an_invalid_max_norm_is_refused_before_anything_happens(scaler_class: type, max_norm: Any) -> None:
     scaler = scaler_class()
     with pytest.raises(ConfigError, match="'max_norm'"):
@@ -331,3 +331,42 @@ def test_prepare_takes_bfloat16_gradients_for_check() -> None:
     scaler = SyncFreeGradScaler.guard()
     prepared = scaler.prepare(gradients(15, BF16))
     assert bool(scaler.check(prepared).finite)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_check_rejected_with_a_communicator_marks_the_previous_record_skipped(scaler_class: type) -> None:
+    from cupy_amp.optim import SGD
+
+    scaler = scaler_class(comm=FakeVote(FakeWorld(1), 0))
+    weights, grads = [np.zeros(4, np.float32)], [np.ones(4, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    stats = scaler.check(grads)
+    optimizer.step(grads, stats)
+    scaler.update()
+    with pytest.raises(GradientTypeError):
+        scaler.check(["not an array"])
+    optimizer.step(grads, stats)  # the record of the step before: it must not apply again
+    assert optimizer.step_count == 1 and not bool(stats.finite) and scaler.had_overflow()
+
+
+def test_a_failure_while_marking_the_record_still_joins_the_all_reduce() -> None:
+    world = FakeWorld(2)
+
+    class Unwritable:
+        def __setitem__(self, key: Any, value: Any) -> None:
+            raise RuntimeError("device lost")
+
+    def rank_body(world: FakeWorld, rank: int) -> str:
+        scaler = GradScaler(comm=FakeVote(world, rank))
+        scaler.check(gradients(17, np.float32))
+        scaler.update()
+        if rank == 0:
+            scaler._stats[-1].skip = Unwritable()
+            with pytest.raises(RuntimeError, match="device lost"):
+                scaler.check(["not an array"])
+            return "failed, joined"
+        stats = scaler.check(gradients(17, np.float32))
+        return "finite" if bool(stats.finite) else "skipped"
+
+    assert run_ranks(world, rank_body) == ["failed, joined", "skipped"]
+    assert [len(sums) for sums in world.sums] == [2, 2]

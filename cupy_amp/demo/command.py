@@ -114,6 +114,9 @@ def _plan(args: argparse.Namespace) -> _Plan:
     settings, scaler_settings = settings_from_args(
         args, saved.settings if saved else None, saved.scaler_settings if saved else None
     )
+    problem = check_settings(settings)  # flags that are each valid can still be out of range together
+    if problem is not None:
+        raise DemoUsageError(f"these settings cannot train: {problem} (--clip times --loss-weight must fit float32)")
     steps = args.steps if args.steps is not None else DEFAULT_STEPS
     if saved is not None and steps <= saved.state.step:
         raise DemoUsageError(
@@ -362,7 +365,7 @@ def _compare(plan: _Plan, reporter: Reporter, main: RunSummary) -> dict[str, His
         run_steps(trainer, plan.steps, show_progress)
         reporter.end_progress()
         loss, accuracy = trainer.evaluate()
-        skips = None if scaler is None else scaler.stats().skipped_steps
+        skips = sum(state.history.skipped)  # a disabled scaler's check() skips too (inf/nan), counting nothing
         rows.append(RunSummary(mode, accuracy, loss, skips, trainer.underflow))
         histories[mode] = state.history
     reporter.line()
@@ -583,6 +586,9 @@ def _parse_run(arrays: dict[str, np.ndarray], checkpoint: GradScalerCheckpoint) 
     def group(prefix: str) -> dict[str, np.ndarray]:
         return {name: arrays[f"{prefix}/{name}"] for name in names}
 
+    updates = int(arrays["adam_t"])
+    if not 0 <= updates <= step:
+        raise ValueError(f"{STATE_FILE} says the optimizer made {updates} updates in {step} steps")
     masters = {name: np.array(array, dtype=np.float32) for name, array in group("master").items()}
     optimizer = make_optimizer(settings, masters)
     restore_optimizer(optimizer, names, arrays)

@@ -94,7 +94,7 @@ def check_settings(settings: Settings) -> str | None:
         "batch_size": integer(settings.batch_size, 1),
         "lr": positive(settings.lr),
         "loss_weight": positive(settings.loss_weight),
-        "clip": positive(settings.clip) and settings.clip * settings.loss_weight >= 2.0**-126,
+        "clip": positive(settings.clip) and 2.0**-126 <= settings.clip * settings.loss_weight <= 3.0e38,
         "hidden": type(settings.hidden) is tuple
         and 0 < len(settings.hidden) <= 8
         and all(integer(width, 1) and width <= 4096 for width in settings.hidden),

@@ -1,8 +1,9 @@
 """The training loop of the demo: one optimizer step at a time, the loss scaler around the backward pass.
 
 Three modes share the loop: ``amp`` (fp16 weights and activations, fp32
-master weights, loss scaling), ``fp16`` (the same with a disabled scaler,
-whose every call is a no-op) and ``fp32`` (everything in float32, no scaler).
+master weights, loss scaling), ``fp16`` (the same with a disabled scaler:
+nothing is scaled, and ``check()`` still skips steps whose gradients hold
+inf/nan) and ``fp32`` (everything in float32, with a scaler whose scale stays 1).
 The array module is NumPy on the CPU or CuPy on a GPU (imported only here,
 only when asked).
 """

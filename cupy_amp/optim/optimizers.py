@@ -12,6 +12,7 @@ same operations run in :mod:`cupy_amp.optim.reference`, bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -46,7 +47,7 @@ _PARAM_DTYPES = ("float16", "bfloat16", "float32")
 
 def _number(name: str, value: object, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
-    number = float(value) if ok else math.nan  # type: ignore[arg-type]
+    number = float(value) if ok and _finite(value) else math.nan  # type: ignore[arg-type]
     if not (math.isfinite(number) and low <= number and (number < high if high_open else number <= high)):
         bound = f"< {high}" if high_open else (f"<= {high}" if math.isfinite(high) else "finite")
         raise ConfigError(f"Invalid {name!r}: expected a number >= {low} and {bound}, got {value!r}.")
@@ -68,11 +69,12 @@ class _FusedOptimizer:
             raise ArgumentTypeError(f"{type(self).__name__} expected a non-empty list of parameters, got none.")
         self._xp, self._device = self._expect_params(self._params)
         xp = self._xp
-        self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
-        self._buffers = {
-            name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
-            for name in self._moments
-        }
+        with self._on_device():  # the buffers live beside the parameters, whichever device is current
+            self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
+            self._buffers = {
+                name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
+                for name in self._moments
+            }
         self._lock = threading.Lock()
         self._record = np.zeros((), dtype=self._record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
@@ -89,6 +91,13 @@ class _FusedOptimizer:
             with xp.cuda.Device(self._device):
                 self._device_record = xp.zeros(self._record_dtype.itemsize, dtype=np.uint8)
             self._push_record()
+
+    def _on_device(self) -> contextlib.AbstractContextManager[Any]:
+        """Make the parameters' device current (nothing to do on the host)."""
+        if self._device < 0:
+            return contextlib.nullcontext()
+        device: contextlib.AbstractContextManager[Any] = self._xp.cuda.Device(self._device)
+        return device
 
     def _init_powers(self) -> None:
         """Set the fields a fresh optimizer starts from (the step counter is already 0)."""
@@ -307,7 +316,7 @@ class _FusedOptimizer:
             CheckpointFieldError: A field is missing, unknown, or does not fit these parameters.
         """
         record, buffers = self._validated(state)
-        with self._lock:
+        with self._lock, self._on_device():
             if self._device_record is not None:
                 self._xp.cuda.Device(self._device).synchronize()  # no queued step still uses the buffers
             for name, arrays in buffers.items():
@@ -320,6 +329,8 @@ class _FusedOptimizer:
                     self._params[index][...] = master.astype(self._params[index].dtype)
             self._record = record
             self._push_record()
+            if self._device_record is not None:
+                self._xp.cuda.Device(self._device).synchronize()  # steps on any stream see the loaded state
 
     def _validated(self, state: Any) -> tuple[np.ndarray, dict[str, list[bytes]]]:
         def bad(what: str) -> CheckpointFieldError:
@@ -493,7 +504,7 @@ class SGD(_FusedOptimizer):
         reference.sgd_update(record, grad, weights, *moments)
 
 
-def _finite(value: float) -> bool:
+def _finite(value: Any) -> bool:
     try:
         return math.isfinite(float(value))
     except OverflowError:  # an int beyond float64

@@ -404,3 +404,11 @@ def test_a_learning_rate_cannot_change_inside_a_capture() -> None:
         finally:
             stream.end_capture()
     assert optimizer.lr == 1.0
+
+
+def test_an_empty_check_on_a_gpu_state_reports_no_culprits() -> None:
+    scaler = SyncFreeGradScaler()
+    scaler.prepare([cupy.ones(4, cupy.float32)])  # the state is on the GPU now
+    stats = scaler.check([])
+    assert bool(stats.finite) and scaler.nonfinite_gradients() == []
+    scaler.update()
