@@ -717,6 +717,11 @@ class DeviceStats:
         launches = [(group.table.stats, group.table.chunk_count) for group in plan or ()]
         return [(launch, min(chunks, self._grid)) for launch, chunks in launches if launch is not None]
 
+    def read(self, stream: Any) -> np.void:
+        """Return the record as written by the work queued on ``stream`` (waits for it)."""
+        record: np.void = np.frombuffer(self._memory.get(stream=stream).tobytes(), dtype=STATS)[0]
+        return record
+
     def reserve(self, plan: tuple[_Group, ...] | None) -> None:
         """Make room for one sum per block of ``plan``'s launches (refused inside a CUDA graph capture)."""
         blocks = sum(grid for _, grid in self._grids(plan))
@@ -804,7 +809,7 @@ class Checked:
         with _on_device(stats.device):
             if self._voted:
                 stats.finish(self._stream, state=0, inv_scale=self._inverse, max_norm=self._max_norm)
-            record = np.frombuffer(stats._memory.get(stream=self._stream).tobytes(), dtype=STATS)[0]  # waits
+            record = stats.read(self._stream)  # waits
             local = bool(record["found"])
             culprits: list[int] = []
             if local:

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_sums, host_verdict, overflow_count_verdict
-from cupy_amp.errors import CommunicatorError
+from cupy_amp.errors import CommunicatorError, ScalerProtocolError
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.statistics import STATS, GradientStats, finish_host
 from cupy_amp.statistics import host_sums as sums_of
@@ -168,6 +168,7 @@ class HostState:
         self.finite.flags.writeable = False
         self._answer: object = None
         self.stats = HostStats(self.finite)
+        self._checked: Checked | None = None  # the open step's statistics pass, if it ran check()
         self.restore(config, state, overflow, local, epoch)
 
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
@@ -212,6 +213,8 @@ class HostState:
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""
+        if self._checked is None:
+            raise ScalerProtocolError("vote_sums() before check()")  # an internal order, kept by the scaler
         self._checked.vote(vote)
 
     def finish_check(self, max_norm: float) -> None:
@@ -220,6 +223,8 @@ class HostState:
         Raises:
             CommunicatorError: The count of overflowed ranks was no such count (the step counts as an overflow).
         """
+        if self._checked is None:
+            raise ScalerProtocolError("finish_check() before check()")
         local, count, _ = self._checked.result()
         try:
             agreed = overflow_count_verdict(count if count is not None else 0.0, local)

@@ -22,7 +22,7 @@ import numpy as np
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
 
-__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "finish_host", "host_stats", "host_sums"]
+__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "finish_host", "host_sums"]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 
@@ -91,15 +91,6 @@ def finish_host(
     record["factor"] = np.float32(inv_scale) * clip
     record["found"] = local
     record["skip"] = local or agreed
-
-
-def host_stats(
-    record: np.ndarray, arrays: Sequence[np.ndarray], inv_scale: np.float32, max_norm: float
-) -> tuple[int, ...]:
-    """Fill a 0-d :data:`STATS` record from NumPy arrays (no communicator); return the culprits' positions."""
-    culprits, total = host_sums(arrays)
-    finish_host(record, total, inv_scale, max_norm, bool(culprits), False)
-    return culprits
 
 
 class GradientStats:

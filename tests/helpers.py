@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["assert_same_bits", "bits", "saved_arrays"]
+__all__ = ["assert_same_bits", "bits", "capture", "saved_arrays"]
 
 
 def bits(array: Any) -> np.ndarray:
@@ -31,3 +31,13 @@ def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
     """Return every array of a demo run's state.npz."""
     with np.load(directory / "state.npz", allow_pickle=False) as npz:
         return {key: npz[key] for key in npz.files}
+
+
+def capture(stream: Any, step: Any) -> Any:
+    """Record ``step()`` on a CuPy ``stream`` as a CUDA graph and return the graph (the capture always ends)."""
+    stream.begin_capture()
+    try:
+        step()
+    finally:
+        graph = stream.end_capture()
+    return graph

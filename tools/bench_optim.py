@@ -29,7 +29,14 @@ from typing import Any
 
 import cupy
 import numpy as np
-from bench_unscale import copy_timer, environment, gpt2_shapes, hide_host_latency, interleaved_medians
+from bench_unscale import (
+    copy_timer,
+    cupy_event_timer,
+    environment,
+    gpt2_shapes,
+    hide_host_latency,
+    interleaved_medians,
+)
 
 from cupy_amp import GradientSet, SyncFreeGradScaler, cupy_backend
 from cupy_amp.gradients import parse_gradients
@@ -48,25 +55,9 @@ OPTIMIZER_WORKLOADS = {"gpt2-small": gpt2_shapes(12, 768), "gpt2-xl": gpt2_shape
 OPTIMIZER_BYTES = {"adamw": 2 + 4 + 4 + 2 + 16, "sgd-momentum": 2 + 4 + 4 + 2 + 8}
 
 
-def cupy_event_timer(run: Callable[[int], object]) -> Callable[[int], float]:
-    """Return a timer of the GPU time of ``run(i)`` in microseconds, queued behind ~400 us of GPU work.
-
-    The queued work hides the host's part of the call (thousands of tensors take
-    a Python loop or two), so only GPU time is counted.
-    """
-    start, stop = cupy.cuda.Event(), cupy.cuda.Event()
-
-    def timed(i: int) -> float:
-        run(2 * i)
-        for _ in range(4):
-            hide_host_latency()
-        start.record()
-        run(2 * i + 1)
-        stop.record()
-        stop.synchronize()
-        return float(cupy.cuda.get_elapsed_time(start, stop)) * 1000.0
-
-    return timed
+# About 400 us of GPU work queued before each timed run: the host's part of a call (thousands of
+# tensors take a Python loop or two) never shows as GPU time.
+COVER = 4
 
 
 def host_us(run: Callable[[int], object], repeats: int) -> float:
@@ -102,8 +93,7 @@ def stats_timer(grads: list[cupy.ndarray]) -> tuple[Callable[[int], float], Call
 
     def timed(i: int) -> float:
         run(2 * i)
-        for _ in range(4):
-            hide_host_latency()
+        hide_host_latency(COVER)
         start.record()
         scaler.check(prepared, max_norm=1.0)
         stop.record()
@@ -135,7 +125,7 @@ def stats_kernels_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
         state.stats.gather(call.plan, cupy.cuda.get_current_stream(), found=found, finite=0, state=state.address,
                            epoch=0, inv_scale=np.float32(1), max_norm=1.0, voting=False)  # fmt: skip
 
-    return cupy_event_timer(run)
+    return cupy_event_timer(run, COVER)
 
 
 def optimizer_timer(kind: str, shapes: list[tuple[int, ...]]) -> Callable[[int], float]:
@@ -145,7 +135,7 @@ def optimizer_timer(kind: str, shapes: list[tuple[int, ...]]) -> Callable[[int],
     scaler = SyncFreeGradScaler(init_scale=1.0)
     stats = scaler.check(grads)
     gradient_list = list(grads)
-    return cupy_event_timer(lambda i: optimizer.step(gradient_list, stats))
+    return cupy_event_timer(lambda i: optimizer.step(gradient_list, stats), COVER)
 
 
 def our_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int], float]:
@@ -161,7 +151,7 @@ def our_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int],
         optimizer.step(grads, scaler.check(prepared, max_norm=1.0 if clip else None))
         scaler.update()
 
-    return cupy_event_timer(step)
+    return cupy_event_timer(step, COVER)
 
 
 def torch_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int], float] | None:
@@ -190,7 +180,7 @@ def torch_step_timer(shapes: list[tuple[int, ...]], clip: bool) -> Callable[[int
 
     def timed(i: int) -> float:
         step()
-        hide_host_latency()
+        hide_host_latency(COVER)  # as for ours
         start.record()
         step()
         stop.record()

@@ -99,23 +99,27 @@ _SPIN = cupy.RawKernel(
 )
 
 
-def hide_host_latency() -> None:
-    """Keep the GPU busy (about 100 us) while the host queues the timed work, so no event times host latency.
+def hide_host_latency(rounds: int = 1) -> None:
+    """Keep the GPU busy (about 100 us per round) while the host queues the timed work, so no event times host latency.
 
     Without it, the Python between recording the start event and queueing the
     kernel (microseconds: a lock, a stream lookup, the argument block) counts
     as kernel time. Every event timer calls it just before its start event.
     """
-    _SPIN((1,), (1,), (np.int64(200_000),))
+    for _ in range(rounds):
+        _SPIN((1,), (1,), (np.int64(200_000),))
 
 
-def cupy_event_timer(run: Callable[[int], object]) -> Callable[[int], float]:
-    """Return a timer giving the GPU time of ``run(i)`` in microseconds (CuPy events)."""
+def cupy_event_timer(run: Callable[[int], object], cover: int = 1) -> Callable[[int], float]:
+    """Return a timer giving the GPU time of ``run(i)`` in microseconds (CuPy events).
+
+    ``cover``: rounds of :func:`hide_host_latency` (about 100 us each) queued before the start event.
+    """
     start, stop = cupy.cuda.Event(), cupy.cuda.Event()
 
     def timed(i: int) -> float:
         run(2 * i)
-        hide_host_latency()
+        hide_host_latency(cover)
         start.record()
         run(2 * i + 1)
         stop.record()

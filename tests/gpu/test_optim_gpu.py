@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, capture
 
 cupy = pytest.importorskip("cupy")
 
@@ -163,15 +163,6 @@ def test_a_skipped_step_changes_nothing_at_all(name: str) -> None:
     assert opt.state_dict() == before
     for p, s in zip(params, saved):
         assert_same_bits(cupy.asnumpy(p), s)
-
-
-def capture(stream: Any, step: Any) -> Any:
-    stream.begin_capture()
-    try:
-        step()
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
 def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eager_steps() -> None:

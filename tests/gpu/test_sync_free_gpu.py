@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, capture
 
 cupy = pytest.importorskip("cupy")
 
@@ -123,15 +123,6 @@ def test_a_steady_state_step_never_waits_for_the_gpu() -> None:
     assert still_spinning and elapsed < 0.2, (still_spinning, elapsed)
     cupy.cuda.get_current_stream().synchronize()
     assert scaler.stats().steps == 12
-
-
-def capture(stream: Any, step: Any) -> Any:
-    stream.begin_capture()
-    try:
-        step()
-    finally:
-        graph = stream.end_capture()
-    return graph
 
 
 def test_a_captured_step_replays_bit_identically_to_the_same_step_run_eagerly() -> None:
