@@ -1097,14 +1097,14 @@ class DeviceState:
     def update(self) -> None:
         self._launch("cupy_amp_update_state")
 
-    def culprits(self, call: Any, epoch: int) -> tuple[int, ...]:
-        """Return the positions of a call's arrays whose flag holds step ``epoch`` (synchronizes)."""
+    def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
+        """Return the positions of a call's arrays (``plan``: its tables) flagged in step ``epoch`` (synchronizes)."""
         epoch = self._owner | epoch
         positions: list[int] = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             self._last_stream = None
-            for group in call.plan or ():
+            for group in plan or ():
                 seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))

@@ -13,24 +13,13 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_sums, host_verdict, overflow_count_verdict
-from cupy_amp.errors import CommunicatorError, ScalerProtocolError
+from cupy_amp.errors import CommunicatorError
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
+from cupy_amp.state import Verdict
 from cupy_amp.statistics import STATS, GradientStats, finish_host
 from cupy_amp.statistics import host_sums as sums_of
 
-__all__ = [
-    "LAYOUT_FIXED",
-    "NAME",
-    "Checked",
-    "HostState",
-    "HostStats",
-    "check",
-    "location",
-    "prepare",
-    "scale_loss",
-    "unscale",
-    "write_problem",
-]
+__all__ = ["LAYOUT_FIXED", "NAME", "HostState", "HostStats", "location", "prepare", "scale_loss", "write_problem"]
 
 NAME = "numpy"
 # NumPy lets an array's strides, dtype and writability change in place: validate on every call.
@@ -62,83 +51,11 @@ def scale_loss(loss: np.ndarray, factor: np.float32) -> None:
         _multiply(loss, factor)
 
 
-def unscale(plan: None, arrays: Sequence[np.ndarray], inverse: np.float32, voting: bool) -> Unscaled:
-    """Check every array for inf/nan, then multiply it by ``inverse`` in place, one array at a time."""
-    culprits = []
-    # Over/underflow and inf * 0 are expected results here, not warnings.
-    with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        for position, array in enumerate(arrays):
-            if not np.isfinite(array).all():
-                culprits.append(position)
-            _multiply(array, inverse)
-    return Unscaled(tuple(culprits))
-
-
-class Unscaled:
-    """The outcome of one call, already known: voting is the only step left."""
-
-    def __init__(self, culprits: tuple[int, ...]) -> None:
-        self._culprits = culprits
-        self._voted = False
-        self._answer: object = None
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Combine this rank's flag with every other rank's (a synchronizing collective)."""
-        self._answer = cast_host_vote(vote, bool(self._culprits))
-        self._voted = True
-
-    def result(self) -> tuple[bool, bool | None, tuple[int, ...]]:
-        """Return (this rank's overflow, the ranks' verdict or None without a vote, culprit positions).
-
-        Raises:
-            CommunicatorError: The vote's answer was not a bool.
-        """
-        local = bool(self._culprits)
-        return local, host_verdict(self._answer, local) if self._voted else None, self._culprits
-
-    def abandon(self) -> None:
-        """Nothing is in flight on the host."""
-
-
 def _multiply(array: np.ndarray, factor: np.float32) -> None:
     if array.dtype == np.float64:
         np.multiply(array, np.float64(factor), out=array)
     else:
         np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
-
-
-def check(
-    plan: None, arrays: Sequence[np.ndarray], stats: HostStats, inverse: np.float32, max_norm: float, voting: bool
-) -> Checked:
-    """Read the arrays' statistics into ``stats`` (finished at once without ``voting``)."""
-    culprits, total = sums_of(arrays)
-    checked = Checked(stats, culprits, total, inverse, max_norm)
-    if not voting:
-        finish_host(stats.record, total, inverse, max_norm, bool(culprits), False)
-    return checked
-
-
-class Checked:
-    """A finished host statistics pass, or one waiting for its all-reduce."""
-
-    def __init__(
-        self, stats: HostStats, culprits: tuple[int, ...], total: float, inverse: np.float32, max_norm: float
-    ) -> None:
-        self._stats, self._culprits, self._total = stats, culprits, total
-        self._inverse, self._max_norm = inverse, max_norm
-        self._count: float | None = None
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Sum (overflowed, sum of squares) over the ranks (synchronizing; raises if this rank took no part)."""
-        self._count, self._total = host_sums(vote, bool(self._culprits), self._total)
-
-    def result(self) -> tuple[bool, float | None, tuple[int, ...]]:
-        """Return (this rank's overflow, the ranks' overflow count or None, culprit positions); finish the record."""
-        local = bool(self._culprits)
-        if self._count is not None:
-            agreed = self._count != 0.0  # an impossible count (a NaN too) is the caller's to reject: skip meanwhile
-            finish_host(self._stats.record, self._total, self._inverse, self._max_norm, local, agreed)
-        return local, self._count, self._culprits
 
 
 class HostStats:
@@ -153,11 +70,12 @@ class HostStats:
 
 
 class HostState:
-    """A sync-free scaler's state on the host: the reference for :class:`~cupy_amp.cupy_backend.DeviceState`.
+    """A scaler's state on the host: the reference for :class:`~cupy_amp.cupy_backend.DeviceState`.
 
     The same operations with the same meaning, for NumPy arrays (and for a
     scaler that has met no array yet): ``finite`` is a 0-d bool array to gate
     updates with, and :meth:`update` is :func:`~cupy_amp.rule.next_state` itself.
+    Nothing here is asynchronous, so every read is immediate.
     """
 
     device = -1
@@ -168,14 +86,15 @@ class HostState:
         self.finite.flags.writeable = False
         self._answer: object = None
         self.stats = HostStats(self.finite)
-        self._checked: Checked | None = None  # the open step's statistics pass, if it ran check()
+        self._sums = (0.0, 0.0)  # (overflowed ranks, sum of squares) of a check() waiting for its all-reduce
         self.restore(config, state, overflow, local, epoch)
 
-    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
-        """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes: always 0).
+    def read(self) -> Verdict:
+        """Return the step's verdict (garbage votes raise at once here: the host reads every answer)."""
+        return Verdict(not bool(self._finite), self._found, self._epoch, 0)
 
-        Garbage votes raise at once here: the host reads every answer.
-        """
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
+        """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes: always 0)."""
         return self._state, not bool(self._finite), self._found, self._epoch, 0
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
@@ -191,11 +110,18 @@ class HostState:
         self._found = False
 
     def unscale(self, call: Any) -> tuple[int, ...]:
-        """Unscale a parsed call's arrays; return the positions of those that held inf/nan."""
-        culprits = unscale(None, call.arrays, inverse_scale(self._state.scale), False).result()[2]
+        """Check every array for inf/nan, then multiply it by the inverse scale in place, one at a time."""
+        inverse = inverse_scale(self._state.scale)
+        culprits = []
+        # Over/underflow and inf * 0 are expected results here, not warnings.
+        with np.errstate(over="ignore", under="ignore", invalid="ignore"):
+            for position, array in enumerate(call.arrays):
+                if not np.isfinite(array).all():
+                    culprits.append(position)
+                _multiply(array, inverse)
         if culprits:
             self.mark_overflow()
-        return culprits
+        return tuple(culprits)
 
     def prepare(self, call: Any) -> None:
         """Nothing to set aside on the host."""
@@ -205,17 +131,22 @@ class HostState:
 
         With ``voting``, the record is finished by :meth:`vote_sums` and :meth:`finish_check`.
         """
-        self._checked = check(None, call.arrays, self.stats, inverse_scale(self._state.scale), max_norm, voting)
-        culprits = self._checked.result()[2]
+        culprits, total = sums_of(call.arrays)
         if culprits:
             self.mark_overflow()
+        if voting:
+            self._sums = (1.0 if culprits else 0.0), total
+        else:
+            self._finish(total, max_norm, bool(culprits))
         return culprits
+
+    def _finish(self, total: float, max_norm: float, overflow: bool) -> None:
+        finish_host(self.stats.record, total, inverse_scale(self._state.scale), max_norm, self._found, overflow)
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""
-        if self._checked is None:
-            raise ScalerProtocolError("vote_sums() before check()")  # an internal order, kept by the scaler
-        self._checked.vote(vote)
+        overflowed, total = self._sums
+        self._sums = host_sums(vote, overflowed != 0.0, total)
 
     def finish_check(self, max_norm: float) -> None:
         """Take the all-reduced verdict and finish the record.
@@ -223,11 +154,10 @@ class HostState:
         Raises:
             CommunicatorError: The count of overflowed ranks was no such count (the step counts as an overflow).
         """
-        if self._checked is None:
-            raise ScalerProtocolError("finish_check() before check()")
-        local, count, _ = self._checked.result()
+        count, total = self._sums
+        self._finish(total, max_norm, count != 0.0)  # an impossible count (a NaN too) skips, and raises below
         try:
-            agreed = overflow_count_verdict(count if count is not None else 0.0, local)
+            agreed = overflow_count_verdict(count, self._found)
         except CommunicatorError:
             self._finite[()] = False
             raise
@@ -259,3 +189,7 @@ class HostState:
 
     def follow(self) -> None:
         """Nothing to order on the host."""
+
+    def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
+        """The host knows every call's culprits at once (the step keeps them): nothing to read."""
+        return ()

@@ -6,25 +6,14 @@ from collections.abc import Hashable
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
-import numpy as np
-
-from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import (
-    OverflowVote,
-    cast_host_vote,
-    host_verdict,
-    overflow_count_verdict,
-    overflow_vote_for,
-    require_sums,
-    sums_after_failure,
-    vote_after_failure,
-)
-from cupy_amp.errors import ConfigError, GradientValueError
-from cupy_amp.gradients import Call, CallCache, StepClaims, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, inverse_scale, next_state
+from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
+from cupy_amp.errors import CommunicatorError, ConfigError, GradientValueError
+from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
+from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, next_state
+from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
-from cupy_amp.step_order import CHECKED, IDLE, StepOrder, refuse_after_check, refuse_second_check
+from cupy_amp.step import INSPECTED, UNSCALED, Ballot, StateSet, Step, check_call, unscale_call
 
 __all__ = ["GradScaler", "GradScalerStats"]
 
@@ -85,11 +74,16 @@ class GradScalerStats:
         return f"scale={self.scale:.9g} {fields}"
 
 
-class _Record(NamedTuple):
-    """One ``unscale_and_check`` call of a step, kept to answer ``nonfinite_gradients``."""
+class _Mirror(NamedTuple):
+    """The host's copy of the scaler: replaced whole, so a reader without the lock sees one consistent value."""
 
-    labels: tuple[Hashable, ...]
-    culprits: tuple[int, ...]  # positions in the call's arrays; empty when clean or when the call failed
+    config: ScalerConfig
+    state: ScalerState
+    enabled: bool
+
+
+# A disabled scaler's guard: scale 1 that never moves, and steps that count for nothing.
+_GUARD = ScalerConfig(min_scale=1.0, max_scale=1.0)
 
 
 class GradScaler:
@@ -154,21 +148,14 @@ class GradScaler:
         comm: Any = None,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        self._config = config
-        self._state = initial_state(config, init_scale)
-        self._enabled = expect_bool(ConfigError, "enabled", enabled)
+        state = initial_state(config, init_scale)
+        self._mirror = _Mirror(config, state, expect_bool(ConfigError, "enabled", enabled))
         self._vote: OverflowVote | None = overflow_vote_for(comm)
-        self._order = StepOrder()
-        # The open step's claims on gradient memory (None outside the unscaling part of a step).
-        self._claims: StepClaims | None = None
-        # The current step's calls, or the last step's once update() closed it.
-        self._records: list[_Record] = []
-        self._found_overflow = False
-        self._found_overflow_local = False
-        # Gradient arguments seen before, so a repeated list skips validation and setup.
-        self._cache = CallCache()
-        self._checked_read_only = False  # this step's gradients went through check(), not unscale_and_check()
-        self._stats: dict[int, Any] = {}  # check()'s records, by device (-1: the host)
+        self._step = Step()
+        self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
+        self._scaling = StateSet(config, state, one_device=False)
+        self._guard = StateSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False, counts=False)
+        self._bad_votes: dict[int, int] = {}  # impossible answers already raised, by state
 
     @classmethod
     def with_params(
@@ -189,14 +176,28 @@ class GradScaler:
     @property
     def config(self) -> ScalerConfig:
         """The immutable configuration (never synchronizes)."""
-        return self._config
+        return self._mirror.config
+
+    @property
+    def _lane(self) -> StateSet:
+        """The states the calls use: the scaling ones, or the guard's while disabled."""
+        return self._scaling if self._mirror.enabled else self._guard
+
+    def _place(self, lane: StateSet, backend: Any, device: int) -> State:
+        """Return ``lane``'s state for arrays of ``backend`` on ``device``, placed from the mirror on first use."""
+        mirror = self._mirror
+        state = mirror.state if lane is self._scaling else lane.all()[0].snapshot()[0]
+        overflow, local = lane.verdict
+        current = Snapshot(state, overflow, local, 0)
+        return lane.place(backend, device, current, self._step.phase in (UNSCALED, INSPECTED))
 
     def scale_factor(self) -> float:
         """Return the factor ``scale_loss`` applies now: the scale, or 1.0 while disabled.
 
         Never synchronizes the device.
         """
-        return self._state.scale if self._enabled else 1.0
+        mirror = self._mirror
+        return mirror.state.scale if mirror.enabled else 1.0
 
     def scale_loss(self, loss: Any) -> None:
         """Multiply ``loss`` by the scale in place, allocating no new array; this opens a step.
@@ -214,10 +215,16 @@ class GradScaler:
                 ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-        with self._order:
-            self._order.scale_loss()  # also while disabled: enabling now would unscale a loss that was not scaled
-            if self._enabled:
-                backend.scale_loss(array, np.float32(self._state.scale))
+
+        def scale() -> None:
+            self._step.refuse_scale_loss()
+            lane = self._lane
+            state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
+            self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
+            if state is not None:
+                state.scale_loss(array)
+
+        self._step.run(scale)
 
     def unscale_and_check(self, gradients: Any) -> bool:
         """Unscale every gradient in place and return True if all were finite.
@@ -249,27 +256,21 @@ class GradScaler:
                 already unscaled in this step (also a ``RuntimeError``).
             CommunicatorError: The communicator failed or answered garbage.
         """
-        with self._order:
-            refuse_after_check(self._checked_read_only)
-            if not self._enabled:
-                parse_gradients(gradients)
-                self._order.phase = CHECKED
-                return True
-            vote = self._vote
-            try:
-                call = parse_gradients(gradients, self._cache, one_device=vote is not None)
-                claims = self._claims if self._claims is not None else StepClaims()
-                claims.claim(call)
-            except BaseException as error:
-                if vote is not None:
-                    # The other ranks wait in this call's vote: vote "overflow", so every rank skips this step.
-                    self._record_failure(())
-                    vote_after_failure(vote, error)
-                raise
-            if self._claims is None:  # the step's first call: forget the last step's verdict
-                self._begin_checks()
-                self._claims = claims
-            return self._run(call, vote)
+
+        def parse() -> tuple[Call, State]:
+            call = parse_gradients(gradients, self._cache, one_device=self._vote is not None)
+            return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+
+        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
+            return self._read(state, call, unscale_call(call, state, ballot) if lane.counts else ())
+
+        def unscale() -> bool:
+            ballot = Ballot(self._vote if lane.counts else None)
+            self._step.gradient_call(UNSCALED, lane, ballot, parse, run, vote_after_failure)
+            return not lane.verdict[0]
+
+        lane = self._lane
+        return self._step.run(unscale)
 
     def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
@@ -280,7 +281,7 @@ class GradScaler:
         kernel launch per dtype, one small launch that sums the blocks' sums in
         a fixed order and computes, on the device, the L2 norm of the unscaled
         gradients and ``min(1, max_norm / (norm + 1e-6))``; then one
-        synchronizing read of the record, as ``unscale_and_check`` reads its
+        synchronizing read of the verdict, as ``unscale_and_check`` reads its
         flag. ``norm`` and ``clip_coefficient`` stay on the device (reading one
         waits); ``finite`` is a host bool array. It must be the step's only
         gradient call, on one device; bfloat16 gradients are accepted.
@@ -291,7 +292,8 @@ class GradScaler:
         counts. Every rank must call ``check()`` in the same steps; a call that
         fails anywhere still joins the all-reduce, as an overflowed rank.
         Disabled: the statistics (all-reduce included) are computed with no
-        scale (inverse 1), and the scaler records nothing.
+        scale (inverse 1), and the scaler records nothing. A call that fails
+        leaves every statistics record of the scaler saying "skip".
 
         Raises:
             ConfigError: ``max_norm`` is not None or a positive float32 number, or the
@@ -302,126 +304,48 @@ class GradScaler:
             As ``unscale_and_check`` for other bad gradients.
         """
         limit = expect_max_norm(max_norm)
-        with self._order:
-            refuse_second_check(self._order.phase == CHECKED)
-            vote = self._vote
-            try:
-                if vote is not None:
-                    require_sums(vote)
-                call = parse_gradients(gradients, self._cache, in_place=False)
-                if len(call.devices) > 1:
-                    raise GradientValueError(
-                        "check() takes the gradients of one device (its norm is summed on that device); got "
-                        f"devices {list(call.devices)}. Use one scaler per device."
-                    )
-            except ConfigError:
-                raise  # every rank refuses alike: nobody votes
-            except BaseException as error:
-                try:
-                    self._fail_check((), counted=vote is not None)  # with a communicator, a rejected call counts
-                finally:
-                    if vote is not None:
-                        sums_after_failure(vote, error)
-                raise
-            inverse = inverse_scale(self._state.scale) if self._enabled else np.float32(1.0)
-            self._order.phase = CHECKED
-            self._checked_read_only = True
-            if self._enabled:
-                self._begin_checks()
-                self._claims = StepClaims()
-            backend = call.backend if call.backend is not None else numpy_backend
-            voted = False
-            try:
-                stats = self._stats_for(call)
-                checked = backend.check(call.plan, call.arrays, stats, inverse, limit, vote is not None)
-                if vote is not None:
-                    checked.vote(vote)  # a vote that raises took no part: sums_after_failure joins below
-                    voted = True
-                local, count, culprits = checked.result()
-                agreed = overflow_count_verdict(count, local) if count is not None else False
-            except BaseException as error:
-                try:
-                    self._fail_check(call.labels, counted=True)
-                finally:
-                    if vote is not None and not voted:
-                        sums_after_failure(vote, error)
-                raise
-            if self._enabled:
-                self._records.append(_Record(call.labels, culprits))
-                self._found_overflow = local or agreed
-                self._found_overflow_local = local
-            stats.result.finite[()] = not (local or agreed)
-            return stats.result  # type: ignore[no-any-return]
 
-    def _fail_check(self, labels: tuple[Hashable, ...], *, counted: bool) -> None:
-        """Record a failed ``check()``: every statistics record says skip, so no optimizer applies the step.
-
-        With ``counted`` the step counts as an overflow (an enabled scaler's update() backs off).
-        """
-        if counted:
-            self._checked_read_only = True
-            if self._enabled:
-                self._record_failure(labels)
-            else:
-                self._order.phase = CHECKED
-        for stats in self._stats.values():  # the device ones may raise (a broken device): the caller still votes
-            stats.result.finite[()] = False
-            stats.skip[...] = 1
-
-    def _stats_for(self, call: Call) -> Any:
-        """Return this scaler's statistics record for a call's device, made on first use."""
-        device = call.devices[0] if call.devices else -1
-        stats = self._stats.get(device)
-        if stats is None:
-            finite = np.ones((), dtype=np.bool_)
-            backend = call.backend if call.backend is not None else numpy_backend
-            stats = backend.HostStats(finite) if device < 0 else backend.DeviceStats(device, finite)
-            self._stats[device] = stats
-        return stats
-
-    def _begin_checks(self) -> None:
-        self._order.phase = CHECKED
-        self._records = []
-        self._found_overflow = self._found_overflow_local = False
-
-    def _record_failure(self, labels: tuple[Hashable, ...]) -> None:
-        if self._order.phase != CHECKED:
-            self._begin_checks()
-            self._claims = StepClaims()
-        self._records.append(_Record(labels, ()))
-        self._found_overflow = self._found_overflow_local = True
-
-    def _run(self, call: Call, vote: OverflowVote | None) -> bool:
-        """Unscale a claimed call, vote, and record the verdict; any failure counts as an overflow."""
-        voted = False
-        unscaled = None
-        try:
-            if call.backend is None:  # nothing to unscale; with a communicator this rank still votes
-                local, agreed, culprits = False, None, ()
-                if vote is not None:
-                    answer = cast_host_vote(vote, False)
-                    voted = True
-                    agreed = host_verdict(answer, False)
-            else:
-                unscaled = call.backend.unscale(
-                    call.plan, call.arrays, inverse_scale(self._state.scale), vote is not None
+        def parse() -> tuple[Call, State]:
+            if self._vote is not None:
+                require_sums(self._vote)
+            call = parse_gradients(gradients, self._cache, in_place=False)
+            if len(call.devices) > 1:
+                raise GradientValueError(
+                    "check() takes the gradients of one device (its norm is summed on that device); got "
+                    f"devices {list(call.devices)}. Use one scaler per device."
                 )
-                if vote is not None:
-                    unscaled.vote(vote)  # a vote that raises took no part: vote_after_failure votes below
-                    voted = True
-                local, agreed, culprits = unscaled.result()
-        except BaseException as error:
-            if unscaled is not None:
-                unscaled.abandon()
-            self._record_failure(call.labels)
-            if vote is not None and not voted:
-                vote_after_failure(vote, error)
-            raise
-        overflow = local or bool(agreed)
-        self._records.append(_Record(call.labels, culprits))
-        self._found_overflow = self._found_overflow or overflow
-        self._found_overflow_local = self._found_overflow_local or local
-        return not overflow
+            return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+
+        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
+            return self._read(state, call, check_call(call, state, ballot, limit))
+
+        def check() -> GradientStats:
+            _, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
+            return lane.host_stats(state)
+
+        lane = self._lane
+        return self._step.run(check)
+
+    def _read(self, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
+        """Wait for a call's verdict; return the positions of its gradients that held inf/nan.
+
+        Raises:
+            CommunicatorError: The state counted an impossible all-reduce answer (the step is an overflow).
+        """
+        verdict = state.read()
+        lane = self._scaling if state in self._scaling.all() else self._guard
+        lane.found(verdict.overflow, verdict.local)
+        reported = self._bad_votes.get(id(state), 0)
+        if verdict.bad_votes > reported:
+            self._bad_votes[id(state)] = verdict.bad_votes
+            raise CommunicatorError(
+                "The all-reduce answered something impossible (no maximum of the ranks' 0/1 flags for "
+                "unscale_and_check, no count of ranks with inf/nan for check): the communicator did not run the "
+                "expected reduction. The step counts as an overflow."
+            )
+        if culprits is None:
+            culprits = state.culprits(call.plan, verdict.epoch) if verdict.local else ()
+        return culprits
 
     def update(self) -> None:
         """End the step: back off after an overflow, grow after enough clean steps.
@@ -431,16 +355,19 @@ class GradScaler:
         Raises:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
-        with self._order:
-            self._checked_read_only = False
-            if not self._enabled:
-                self._order.phase = IDLE
-                return
-            self._order.require_checked()
-            self._state = next_state(self._config, self._state, self._found_overflow, self._found_overflow_local)
-            self._order.phase = IDLE
-            self._claims = None
-            self._checked_read_only = False
+
+        def update() -> None:
+            lane = self._lane
+            if lane.counts:  # disabled, update() only ends the step
+                self._step.require_gradients()
+                mirror = self._mirror
+                overflow, local = lane.verdict
+                state = next_state(mirror.config, mirror.state, overflow, local)
+                lane.update(state)
+                self._mirror = mirror._replace(state=state)
+            self._step.close()
+
+        self._step.run(update)
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed.
@@ -449,7 +376,7 @@ class GradScaler:
         ``unscale_and_check``, so a learning-rate schedule can skip with the
         optimizer. Never synchronizes the device.
         """
-        return self._found_overflow
+        return self._scaling.verdict[0]
 
     def nonfinite_gradients(self) -> list[Hashable]:
         """Return which gradients held inf/nan in the current (or last) step.
@@ -459,8 +386,7 @@ class GradScaler:
         (``None`` entries count) or their names when a mapping was passed.
         Empty when the step was clean. Never synchronizes the device.
         """
-        records = self._records  # replaced, never emptied in place, when a new step begins: a consistent read
-        return [record.labels[position] for record in records for position in record.culprits]
+        return self._step.culprit_labels(lambda record: record.culprits or ())
 
     def set_enabled(self, enabled: bool) -> None:
         """Turn scaling on or off between steps.
@@ -471,19 +397,23 @@ class GradScaler:
                 or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-        with self._order:
-            if flag != self._enabled:
-                self._order.require_no_step("set_enabled() cannot switch the scaler")
-            self._enabled = flag
+
+        def switch() -> None:
+            if flag != self._mirror.enabled:
+                self._step.require_idle("set_enabled() cannot switch the scaler")
+            self._mirror = self._mirror._replace(enabled=flag)
+
+        self._step.run(switch)
 
     def is_enabled(self) -> bool:
         """Return whether scaling is on."""
-        return self._enabled
+        return self._mirror.enabled
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (never synchronizes)."""
         # The state is immutable: a consistent read without the lock, even from a signal handler.
-        return GradScalerStats.of(self._state, self._enabled, self._found_overflow, self._found_overflow_local)
+        mirror = self._mirror
+        return GradScalerStats.of(mirror.state, mirror.enabled, *self._scaling.verdict)
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit (never synchronizes).
@@ -491,15 +421,15 @@ class GradScaler:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        with self._order:
-            self._order.require_no_step("checkpoint() cannot capture a resumable state")
+
+        def capture() -> GradScalerCheckpoint:
+            self._step.require_idle("checkpoint() cannot capture a resumable state")
+            mirror, (overflow, local) = self._mirror, self._scaling.verdict
             return GradScalerCheckpoint.capture(
-                self._config,
-                self._state,
-                enabled=self._enabled,
-                found_overflow=self._found_overflow,
-                found_overflow_local=self._found_overflow_local,
+                mirror.config, mirror.state, enabled=mirror.enabled, found_overflow=overflow, found_overflow_local=local
             )
+
+        return self._step.run(capture)
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's.
@@ -509,20 +439,24 @@ class GradScaler:
             ScalerProtocolError: A step is open (the loss was scaled with the old scale).
         """
         expect_checkpoint(checkpoint)
-        with self._order:
-            self._order.require_no_step("load_checkpoint() cannot replace the state")
-            self._config = checkpoint.config()
-            self._state = checkpoint.state()
-            self._enabled = checkpoint.enabled
-            self._found_overflow = checkpoint.found_overflow
-            self._found_overflow_local = checkpoint.found_overflow_local
-            self._records = []
+
+        def load() -> None:
+            self._step.require_idle("load_checkpoint() cannot replace the state")
+            mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled)
+            self._scaling.restore(
+                mirror.config, mirror.state, checkpoint.found_overflow, checkpoint.found_overflow_local
+            )
+            self._mirror = mirror
+            self._step.records = ()
+
+        self._step.run(load)
 
     def __repr__(self) -> str:
-        config = self._config
+        mirror = self._mirror
+        config = mirror.config
         return (
-            f"GradScaler(scale={self._state.scale:g}, growth_factor={config.growth_factor!r}, "
+            f"GradScaler(scale={mirror.state.scale:g}, growth_factor={config.growth_factor!r}, "
             f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval}, "
-            f"enabled={self._enabled}, min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, "
+            f"enabled={mirror.enabled}, min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, "
             f"hysteresis={config.hysteresis})"
         )

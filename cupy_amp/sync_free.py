@@ -3,43 +3,22 @@
 from __future__ import annotations
 
 import sys
-import types
-from collections.abc import Callable, Hashable
-from typing import Any, NamedTuple
+from collections.abc import Hashable
+from typing import Any
 
 import numpy as np
 
-from cupy_amp import numpy_backend
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import (
-    OverflowVote,
-    overflow_vote_for,
-    require_sums,
-    sums_after_failure,
-    vote_after_failure,
-)
-from cupy_amp.errors import (
-    ArgumentTypeError,
-    CommunicatorError,
-    ConfigError,
-    GradientTypeError,
-    GradientValueError,
-    ScalerProtocolError,
-)
-from cupy_amp.gradients import Call, CallCache, GradientSet, StepClaims, parse_gradients, parse_loss
+from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
+from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
+from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
 from cupy_amp.scaler import GradScalerStats
+from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
-from cupy_amp.step_order import CHECKED, IDLE, StepOrder, refuse_after_check, refuse_second_check
+from cupy_amp.step import INSPECTED, UNSCALED, Ballot, Record, StateSet, Step, check_call, unscale_call, where
 
 __all__ = ["SyncFreeGradScaler"]
-
-
-class _Record(NamedTuple):
-    """One ``unscale_and_check`` call of a step, kept to answer ``nonfinite_gradients``."""
-
-    call: Call | None  # None for a call that failed before its arrays were known
-    culprits: tuple[int, ...] | None  # known at once on the host; None: read from the device when asked
 
 
 class SyncFreeGradScaler:
@@ -83,18 +62,11 @@ class SyncFreeGradScaler:
         comm: Any = None,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        self._config = config
-        state = initial_state(config, init_scale)
-        # Host state until the first array shows where the state belongs (_state_for).
-        self._state: Any = numpy_backend.HostState(config, state, False, False, 0)
-        self._bound: types.ModuleType | None = None  # the backend the state belongs to, once known
+        self._states = StateSet(config, initial_state(config, init_scale), one_device=True)
         self._vote: OverflowVote | None = overflow_vote_for(comm)
-        self._order = StepOrder()
-        self._claims: StepClaims | None = None
-        self._records: list[_Record] = []
+        self._step = Step()
         self._cache = CallCache()
         self._bad_votes_reported = 0
-        self._checked_read_only = False  # this step's gradients went through check(), not unscale_and_check()
 
     @classmethod
     def guard(cls) -> SyncFreeGradScaler:
@@ -108,7 +80,7 @@ class SyncFreeGradScaler:
     @property
     def config(self) -> ScalerConfig:
         """The immutable configuration (never synchronizes)."""
-        return self._config
+        return self._states.config
 
     def prepare(self, gradients: Any) -> GradientSet:
         """Place the state beside ``gradients``, load every kernel, and return them as a :class:`GradientSet`.
@@ -121,36 +93,23 @@ class SyncFreeGradScaler:
             As ``unscale_and_check`` does for bad gradients.
         """
         gradient_set = gradients if type(gradients) is GradientSet else GradientSet(gradients)
-        with self._order:
+
+        def prepare() -> None:
             call = parse_gradients(gradient_set, one_device=True, in_place=False)  # for check() too
             if call.backend is not None:
-                self._state_for(call.backend, call.footprints[0].device).prepare(call)
+                self._place(call.backend, call.devices[0]).prepare(call)
+
+        self._step.run(prepare)
         return gradient_set
 
-    def _state_for(self, backend: types.ModuleType, device: int) -> Any:
-        """Return the state for arrays of ``backend`` on ``device``, moving it there if it has met no array yet."""
-        if self._bound is None:
-            if backend is not numpy_backend:
-                if self._order.phase == CHECKED:
-                    raise ScalerProtocolError(
-                        "This step's first unscale_and_check() had no arrays, so its verdict lives on the host; the "
-                        "state cannot move to the GPU in the middle of the step. Pass the GPU arrays (or call "
-                        "prepare(gradients)) before the step's first unscale_and_check()."
-                    )
-                backend.refuse_capture("the scaler's state is first placed on the GPU")
-                self._state = backend.DeviceState(device, self._config, *self._state.snapshot()[:4])
-            self._bound = backend
-        elif backend is not self._bound:
-            raise GradientTypeError(
-                f"This scaler's state is {_where(self._state.device)}, so it takes {self._bound.NAME} arrays; "
-                f"got {backend.NAME} arrays. Use one scaler per kind of array."
-            )
-        elif device != self._state.device:
-            raise GradientValueError(
-                f"This scaler's state is {_where(self._state.device)}; got arrays on device {device}. A sync-free "
-                f"scaler works on one device (one scaler per device, with a communicator across them)."
-            )
-        return self._state
+    @property
+    def _state(self) -> State:
+        return self._states.all()[0]
+
+    def _place(self, backend: Any, device: int) -> State:
+        """Return the state for arrays of ``backend`` on ``device`` (placing it there on first use)."""
+        step_open = self._step.phase in (UNSCALED, INSPECTED)
+        return self._states.place(backend, device, Snapshot(*self._state.snapshot()[:4]), step_open)
 
     def _snapshot(self) -> tuple[ScalerState, bool, bool, int]:
         """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.
@@ -181,11 +140,14 @@ class SyncFreeGradScaler:
             ScalerProtocolError: The previous step's gradients were unscaled but ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-        with self._order:
-            self._order.check_scale_loss()
-            state = self._state_for(backend, backend.location(array)[1])
-            self._order.scale_loss()
+
+        def scale() -> None:
+            self._step.refuse_scale_loss()
+            state = self._place(backend, backend.location(array)[1])
+            self._step.scaled()
             state.scale_loss(array)
+
+        self._step.run(scale)
 
     def unscale_and_check(self, gradients: Any) -> Any:
         """Unscale every gradient in place; return the step's verdict as a 0-d bool array (True: all finite).
@@ -203,22 +165,17 @@ class SyncFreeGradScaler:
             arrays on a device other than the state's, and ScalerProtocolError for
             gradients not yet prepared while a CUDA graph is being captured.
         """
-        with self._order:
-            refuse_after_check(self._checked_read_only)
-            vote = self._vote
-            try:
-                call = parse_gradients(gradients, self._cache, one_device=True)
-                state = (
-                    self._state if call.backend is None else self._state_for(call.backend, call.footprints[0].device)
-                )
-                claims = self._claims if self._claims is not None else StepClaims()
-                claims.claim(call)
-            except BaseException as error:
-                if vote is not None:
-                    # The other ranks wait in this call's vote: vote "overflow", so every rank skips this step.
-                    self._fail_call(None, vote, error)
-                raise
-            return self._run(state, call, claims, vote)
+
+        def parse() -> tuple[Call, State]:
+            call = parse_gradients(gradients, self._cache, one_device=True)
+            return call, self._place(call.backend, call.devices[0] if call.devices else -1)
+
+        def unscale() -> Any:
+            ballot = Ballot(self._vote)
+            _, state = self._step.gradient_call(UNSCALED, self._states, ballot, parse, unscale_call, vote_after_failure)
+            return state.finite
+
+        return self._step.run(unscale)
 
     def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
@@ -246,78 +203,22 @@ class SyncFreeGradScaler:
             As ``unscale_and_check`` for bad gradients.
         """
         limit = expect_max_norm(max_norm)
-        with self._order:
-            refuse_second_check(self._claims is not None)
-            vote = self._vote
-            try:
-                if vote is not None:
-                    require_sums(vote)
-                call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
-                state = (
-                    self._state if call.backend is None else self._state_for(call.backend, call.footprints[0].device)
-                )
-            except ConfigError:
-                raise  # every rank refuses alike: nobody votes
-            except BaseException as error:
-                if vote is not None:
-                    self._checked_read_only = True
-                    self._fail_call(None, vote, error, sums_after_failure)
-                raise
-            self._checked_read_only = True
-            voted = False
-            try:
-                self._open_checks(StepClaims())
-                culprits = state.check(call, limit, vote is not None)
-                if vote is not None:
-                    state.vote_sums(vote)  # a vote that raises took no part: _fail_call joins for this rank
-                    voted = True
-                    state.finish_check(limit)
-            except BaseException as error:
-                self._fail_call(call, None if voted else vote, error, sums_after_failure)
-                raise
-            self._records.append(_Record(call, culprits))
+
+        def parse() -> tuple[Call, State]:
+            if self._vote is not None:
+                require_sums(self._vote)
+            call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
+            return call, self._place(call.backend, call.devices[0] if call.devices else -1)
+
+        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
+            return check_call(call, state, ballot, limit)
+
+        def check() -> GradientStats:
+            ballot = Ballot(self._vote)
+            _, state = self._step.gradient_call(INSPECTED, self._states, ballot, parse, run, sums_after_failure)
             return state.stats.result  # type: ignore[no-any-return]
 
-    def _open_checks(self, claims: StepClaims) -> None:
-        """Begin the checks of a step: the host's bookkeeping first, then the state's flags."""
-        self._order.phase = CHECKED
-        self._records = []
-        self._claims = claims
-        self._state.begin_step()
-
-    def _fail_call(
-        self,
-        call: Call | None,
-        vote: OverflowVote | None,
-        error: BaseException,
-        join: Callable[[OverflowVote, BaseException], None] = vote_after_failure,
-    ) -> None:
-        """Count a failed call as an overflow of the step and, if ``vote`` was not cast yet, ``join`` it as one."""
-        try:
-            if self._order.phase != CHECKED:
-                self._open_checks(StepClaims())
-            self._records.append(_Record(call, ()))
-            self._state.mark_overflow()
-        finally:
-            if vote is not None:
-                join(vote, error)
-
-    def _run(self, state: Any, call: Call, claims: StepClaims, vote: OverflowVote | None) -> Any:
-        """Unscale a claimed call and queue its vote; any failure counts as an overflow of the step."""
-        voted = False
-        try:
-            if self._claims is None:  # the step's first call
-                self._open_checks(claims)
-            culprits = state.unscale(call) if call.backend is not None else ()
-            if vote is not None:
-                state.vote(vote)  # a vote that raises took no part: _fail_call votes
-                voted = True
-                state.combine()
-        except BaseException as error:
-            self._fail_call(call, None if voted else vote, error)
-            raise
-        self._records.append(_Record(call, culprits))
-        return state.finite
+        return self._step.run(check)
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.
@@ -345,12 +246,13 @@ class SyncFreeGradScaler:
         Raises:
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
-        with self._order:
-            self._order.require_checked()
+
+        def update() -> None:
+            self._step.require_gradients()
             self._state.update()
-            self._order.phase = IDLE
-            self._claims = None
-            self._checked_read_only = False
+            self._step.close()
+
+        self._step.run(update)
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed (synchronizes)."""
@@ -358,15 +260,14 @@ class SyncFreeGradScaler:
 
     def nonfinite_gradients(self) -> list[Hashable]:
         """Return which gradients held inf/nan in the current (or last) step, as GradScaler does (synchronizes)."""
-        state, records = self._state, self._records  # records are replaced, never changed, by a new step
         epoch = self._snapshot()[3]
-        found: list[Hashable] = []
-        for record in records:
-            if record.call is None:
-                continue
-            culprits = record.culprits if record.culprits is not None else state.culprits(record.call, epoch)
-            found += [record.call.labels[position] for position in culprits]
-        return found
+
+        def read(record: Record) -> tuple[int, ...]:
+            if record.culprits is not None or record.state is None:
+                return record.culprits or ()
+            return record.state.culprits(record.plan, epoch)
+
+        return self._step.culprit_labels(read)
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (synchronizes)."""
@@ -379,12 +280,15 @@ class SyncFreeGradScaler:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        with self._order:
-            self._order.require_no_step("checkpoint() cannot capture a resumable state")
+
+        def capture() -> GradScalerCheckpoint:
+            self._step.require_idle("checkpoint() cannot capture a resumable state")
             state, overflow, local, _ = self._snapshot()
             return GradScalerCheckpoint.capture(
-                self._config, state, enabled=True, found_overflow=overflow, found_overflow_local=local
+                self.config, state, enabled=True, found_overflow=overflow, found_overflow_local=local
             )
+
+        return self._step.run(capture)
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's, in place (synchronizes).
@@ -402,25 +306,21 @@ class SyncFreeGradScaler:
                 "This checkpoint is of a disabled scaler; a SyncFreeGradScaler is always enabled. Load it into a "
                 "GradScaler, or train without a scaler."
             )
-        with self._order:
-            self._order.require_no_step("load_checkpoint() cannot replace the state")
-            epoch = self._state.snapshot()[3]
+
+        def load() -> None:
+            self._step.require_idle("load_checkpoint() cannot replace the state")
             self._bad_votes_reported = 0  # restore() clears the state's count
-            config = checkpoint.config()
-            self._state.restore(
-                config, checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local, epoch
+            self._states.restore(
+                checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
             )
-            self._config = config
-            self._records = []
+            self._step.records = ()
+
+        self._step.run(load)
 
     def __repr__(self) -> str:
-        config = self._config
+        config = self.config
         return (
-            f"SyncFreeGradScaler(state {_where(self._state.device)}, growth_factor={config.growth_factor!r}, "
+            f"SyncFreeGradScaler(state {where(self._state.device)}, growth_factor={config.growth_factor!r}, "
             f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval}, "
             f"min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, hysteresis={config.hysteresis})"
         )
-
-
-def _where(device: int) -> str:
-    return "on the host" if device < 0 else f"on device {device}"

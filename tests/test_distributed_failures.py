@@ -157,7 +157,9 @@ def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(answer: Any
     assert scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)}) is False
     assert scaler.nonfinite_gradients() == ["w"]
     assert scaler.stats().last_overflow == "local"
-    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True  # a clean call after it is still clean
+    # Every call answers for the step so far: a clean call after the overflow still says "skip".
+    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is False
+    assert scaler.nonfinite_gradients() == ["w"]
 
 
 def test_an_error_of_the_overflow_vote_does_not_hide_the_original_error() -> None:

@@ -44,16 +44,16 @@ def fail_multiply(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, BaseExcepti
 
 @pytest.fixture
 def fail_result(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """While ``switch["error"]`` is set, reading a call's result raises it (its arrays already unscaled)."""
+    """While ``switch["error"]`` is set, reading a call's verdict raises it (its arrays already unscaled)."""
     switch: dict[str, Any] = {"error": None}
-    real = numpy_backend.Unscaled.result
+    real = numpy_backend.HostState.read
 
-    def result(self: numpy_backend.Unscaled) -> Any:
+    def read(self: numpy_backend.HostState) -> Any:
         if switch["error"] is not None:
             raise switch["error"]
         return real(self)
 
-    monkeypatch.setattr(numpy_backend.Unscaled, "result", result)
+    monkeypatch.setattr(numpy_backend.HostState, "read", read)
     return switch
 
 

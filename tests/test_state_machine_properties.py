@@ -166,7 +166,7 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
         first = scaler.unscale_and_check([grads[0], None, grads[1]])
         assert first is not (bad[0] or bad[1])
         second = scaler.unscale_and_check({"head": grads[2]})
-        assert second is not bad[2]
+        assert second is not (bad[0] or bad[1] or bad[2])  # each call answers for the step so far
         labels = [position for position, flag in ((0, bad[0]), (2, bad[1])) if flag]
         labels += ["head"] if bad[2] else []
     else:

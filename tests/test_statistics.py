@@ -284,8 +284,8 @@ def test_a_rank_failing_after_the_step_opened_still_joins_and_counts_the_overflo
     def rank_body(world: FakeWorld, rank: int) -> tuple[bool, int]:
         scaler = scaler_class(comm=FakeVote(world, rank))
         if rank == 0:  # something fails between opening the step and the all-reduce
-            target = scaler._state if scaler_class is SyncFreeGradScaler else scaler
-            name = "begin_step" if scaler_class is SyncFreeGradScaler else "_stats_for"
+            target = scaler._state if scaler_class is SyncFreeGradScaler else scaler._scaling.default
+            name = "begin_step"
 
             def fail(*args: Any) -> None:
                 raise MemoryError("out of memory")
@@ -361,7 +361,7 @@ def test_a_failure_while_marking_the_record_still_joins_the_all_reduce() -> None
         scaler.check(gradients(17, np.float32))
         scaler.update()
         if rank == 0:
-            scaler._stats[-1].skip = Unwritable()
+            scaler._scaling.default.stats.skip = Unwritable()
             with pytest.raises(RuntimeError, match="device lost"):
                 scaler.check(["not an array"])
             return "failed, joined"

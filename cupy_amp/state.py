@@ -1,0 +1,63 @@
+"""A scaler's state where its arrays are: the :class:`State` protocol, and the states a face keeps.
+
+Two implementations follow :class:`State`: :class:`cupy_amp.numpy_backend.HostState`
+(NumPy, the reference numerics) and :class:`cupy_amp.cupy_backend.DeviceState`
+(the scale, counters and flags in device memory, stepped by kernels). Every
+operation but :meth:`State.read`, :meth:`State.snapshot`, :meth:`State.restore`
+and :meth:`State.culprits` queues its work and returns without waiting.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+from cupy_amp.distributed import OverflowVote
+from cupy_amp.rule import ScalerConfig, ScalerState
+
+if TYPE_CHECKING:
+    from cupy_amp.gradients import Call
+
+__all__ = ["Snapshot", "State", "Verdict"]
+
+
+class Verdict(NamedTuple):
+    """What a state's flags say of the open (or last) step, read on the host."""
+
+    overflow: bool  # any rank's gradients held inf/nan (this rank's included)
+    local: bool  # this rank's own gradients did
+    epoch: int  # the step's number, which the per-gradient flags hold
+    bad_votes: int  # collectives so far whose answer was impossible
+
+
+class Snapshot(NamedTuple):
+    """A state as the host sees it: the rule's state and the last verdict."""
+
+    state: ScalerState
+    overflow: bool
+    local: bool
+    epoch: int
+
+
+class State(Protocol):
+    """A scaler's state on one device, and the operations of a step on it."""
+
+    device: int
+    finite: Any  # 0-d bool array: the step's verdict, to gate updates with
+    stats: Any  # the statistics record of check(): .result is a GradientStats, .skip its skip flag
+
+    def scale_loss(self, loss: Any) -> None: ...
+    def begin_step(self) -> None: ...
+    def unscale(self, call: Call) -> tuple[int, ...] | None: ...
+    def check(self, call: Call, max_norm: float, voting: bool) -> tuple[int, ...] | None: ...
+    def vote(self, vote: OverflowVote) -> None: ...
+    def combine(self) -> None: ...
+    def vote_sums(self, vote: OverflowVote) -> None: ...
+    def finish_check(self, max_norm: float) -> None: ...
+    def mark_overflow(self) -> None: ...
+    def update(self) -> None: ...
+    def prepare(self, call: Call) -> None: ...
+    def follow(self) -> Any: ...
+    def read(self) -> Verdict: ...
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]: ...
+    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None: ...
+    def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]: ...
