@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -29,6 +28,7 @@ from typing import TextIO
 from cupy_amp import __version__
 from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
 from cupy_amp.errors import CheckpointError
+from cupy_amp.rule import power_of_two
 
 __all__ = ["main"]
 
@@ -153,20 +153,3 @@ def _format_value(name: str, value: object) -> str:
     exact = str(int(value)) if value.is_integer() and value < 2.0**53 else repr(value)
     power = power_of_two(value)
     return exact if power is None else f"{exact} ({power})"
-
-
-def power_of_two(value: float) -> str | None:
-    """Write ``value`` as ``2**N``, or ``m * 2**N`` with a mantissa of at most 10 bits, else return None.
-
-    Loss scales are usually powers of two, and ``2**36`` reads better than
-    68719476736; the demo uses this too.
-    """
-    if not (value > 0 and math.isfinite(value)):
-        return None
-    mantissa, exponent = math.frexp(value)  # value == mantissa * 2**exponent, 0.5 <= mantissa < 1
-    mantissa, exponent = mantissa * 2, exponent - 1
-    if mantissa == 1:
-        return f"2**{exponent}"
-    if (mantissa * 2**10).is_integer():  # e.g. 98304 is 1.5 * 2**16; long mantissas would not help
-        return f"{mantissa!r} * 2**{exponent}"
-    return None

@@ -6,24 +6,19 @@ cached for the common case where the same memory comes back every step. The
 only synchronization of a call is the read-back of one overflow flag per
 device (and, only after an overflow, of the per-gradient flags).
 
-Modules are compiled on first use, once per device (never at import), with
-``cupy.RawModule`` and plain ``extern "C"`` entry points, so CuPy's on-disk
-compile cache applies. Kernels take one argument, a struct; each struct of
-``kernels/common.cuh`` is mirrored by a NumPy dtype here, and every compile
-checks the two layouts against each other (``static_assert``). Launches go
-through one driver call per kernel on the current stream, from a parameter
-block reused launch after launch.
+Kernels are compiled and launched through :mod:`cupy_amp.kernel_launch`,
+each with one struct argument laid out as :mod:`cupy_amp.kernel_interface`
+mirrors it; the fused optimizers' launches are in :mod:`cupy_amp.optim.launches`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
@@ -31,36 +26,30 @@ import numpy as np
 from cupy_amp.distributed import OverflowVote, device_answer
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import ScalerProtocolError
-from cupy_amp.kernel_sources import read_kernel_source
-from cupy_amp.optim.reference import ADAMW_STATE, SGD_STATE
+from cupy_amp.kernel_interface import (
+    CHUNK,
+    CHUNK_BYTES,
+    ENTRIES,
+    MAX_NDIM,
+    STATE,
+    STATS,
+    STATS_ARGS,
+    UNSCALE_ARGS,
+    UNSCALE_DTYPE_NAMES,
+)
+from cupy_amp.kernel_launch import MAX_GRID, _function, _Launcher, _on_device, launcher, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
-from cupy_amp.statistics import STATS, GradientStats
-
-if TYPE_CHECKING:
-    from importlib.abc import Traversable
+from cupy_amp.statistics import GradientStats
 
 __all__ = [
-    "CHUNK",
-    "CHUNK_BYTES",
     "LAYOUT_FIXED",
     "NAME",
-    "SCALE_ARGS",
-    "STATE",
-    "STATE_ARGS",
-    "THREADS",
-    "UNSCALE_ARGS",
     "Checked",
     "DeviceState",
     "DeviceStats",
-    "ParamTable",
     "as_array",
     "check",
-    "compile_options",
-    "layout_checks",
-    "load_optimizer",
     "location",
-    "optimizer_step",
-    "param_tables",
     "prepare",
     "refuse_capture",
     "scale_loss",
@@ -73,232 +62,9 @@ NAME = "cupy"
 # elements), so a call validated once stays valid while the same array objects come back.
 LAYOUT_FIXED = True
 
-THREADS = 512  # per block; passed to the kernels with -D
-CHUNK_BYTES = 32768  # one block's unit of work (tuned on an H200: BENCHMARKS.md)
-_MAX_GRID = 2**31 - 1
-_MAX_NDIM = 64  # kMaxNdim in kernels/common.cuh
 _TABLES_KEPT = 16
-
-# The structs of kernels/common.cuh, field for field (compile_source() checks it).
-CHUNK = np.dtype(
-    [("address", "<u8"), ("first", "<i8"), ("last", "<i8"), ("tensor", "<i4"), ("layout", "<i4")], align=True
-)
-UNSCALE_ARGS = np.dtype(
-    [
-        ("chunks", "<u8"),
-        ("layouts", "<u8"),
-        ("chunk_count", "<i8"),
-        ("found", "<u8"),
-        ("finite", "<u8"),
-        ("tensor_found", "<u8"),
-        ("state", "<u8"),
-        ("epoch", "<u8"),
-        ("inv_scale", "<f4"),
-    ],
-    align=True,
-)
-SCALE_ARGS = np.dtype(
-    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("state", "<u8"), ("scale", "<f4")],
-    align=True,
-)
-STATE = np.dtype(
-    [
-        ("consecutive_good_steps", "<u8"),
-        ("hysteresis_tracker", "<u8"),
-        ("steps", "<u8"),
-        ("skipped_steps", "<u8"),
-        ("growths", "<u8"),
-        ("backoffs", "<u8"),
-        ("remote_skipped_steps", "<u8"),
-        ("epoch", "<u8"),
-        ("growth_factor", "<f8"),
-        ("backoff_factor", "<f8"),
-        ("floor", "<f8"),
-        ("max_scale", "<f8"),
-        ("growth_interval", "<u8"),
-        ("hysteresis", "<u8"),
-        ("bad_votes", "<u8"),
-        ("scale", "<f4"),
-        ("found", "<i4"),
-        ("agreed", "<i4"),
-        ("finite", "u1"),
-    ],
-    align=True,
-)
-STATE_ARGS = np.dtype([("state", "<u8")], align=True)
-STATS_ARGS = np.dtype(
-    [
-        ("chunks", "<u8"),
-        ("layouts", "<u8"),
-        ("chunk_count", "<i8"),
-        ("partials", "<u8"),
-        ("found", "<u8"),
-        ("finite", "<u8"),
-        ("tensor_found", "<u8"),
-        ("state", "<u8"),
-        ("epoch", "<u8"),
-    ],
-    align=True,
-)
-FINISH_ARGS = np.dtype(
-    [
-        ("stats", "<u8"),
-        ("partials", "<u8"),
-        ("partial_count", "<i8"),
-        ("state", "<u8"),
-        ("inv_scale", "<f4"),
-        ("max_norm", "<f4"),
-        ("stage", "<i4"),
-    ],
-    align=True,
-)
-PARAM_CHUNK = np.dtype(
-    [
-        ("grad", "<u8"),
-        ("param", "<u8"),
-        ("master", "<u8"),
-        ("first_moment", "<u8"),
-        ("second_moment", "<u8"),
-        ("count", "<i8"),
-    ],
-    align=True,
-)
-OPTIMIZER_ARGS = np.dtype([("chunks", "<u8"), ("chunk_count", "<i8"), ("hyper", "<u8")], align=True)
-BEGIN_ARGS = np.dtype([("hyper", "<u8"), ("stats", "<u8")], align=True)
 _FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
-_STRUCTS = {
-    "cupy_amp::Chunk": CHUNK,
-    "cupy_amp::UnscaleArgs": UNSCALE_ARGS,
-    "cupy_amp::ScaleArgs": SCALE_ARGS,
-    "cupy_amp::State": STATE,
-    "cupy_amp::StateArgs": STATE_ARGS,
-    "cupy_amp::Stats": STATS,
-    "cupy_amp::StatsArgs": STATS_ARGS,
-    "cupy_amp::FinishArgs": FINISH_ARGS,
-    "cupy_amp::ParamChunk": PARAM_CHUNK,
-    "cupy_amp::OptimizerArgs": OPTIMIZER_ARGS,
-    "cupy_amp::BeginArgs": BEGIN_ARGS,
-    "cupy_amp::AdamWState": ADAMW_STATE,
-    "cupy_amp::SgdState": SGD_STATE,
-}
-_UNSCALE_DTYPE_NAMES = ("float16", "float32", "float64")
-_STATS_DTYPE_NAMES = ("float16", "bfloat16", "float32", "float64")
-_PARAM_DTYPE_NAMES = ("float16", "bfloat16", "float32")
-# Each kernel file's entry points and the struct each takes, by value.
-_ENTRIES = {
-    "unscale_check.cu": {f"cupy_amp_unscale_check_{name}": "cupy_amp::UnscaleArgs" for name in _UNSCALE_DTYPE_NAMES},
-    "scale_loss.cu": {f"cupy_amp_scale_loss_{name}": "cupy_amp::ScaleArgs" for name in _UNSCALE_DTYPE_NAMES},
-    "grad_stats.cu": {
-        **{f"cupy_amp_gradient_stats_{name}": "cupy_amp::StatsArgs" for name in _STATS_DTYPE_NAMES},
-        "cupy_amp_finish_stats": "cupy_amp::FinishArgs",
-    },
-    "optimizers.cu": {
-        "cupy_amp_adamw_begin": "cupy_amp::BeginArgs",
-        "cupy_amp_sgd_begin": "cupy_amp::BeginArgs",
-        **{
-            f"cupy_amp_{rule}_{name}": "cupy_amp::OptimizerArgs"
-            for rule in ("adamw", "sgd")
-            for name in _PARAM_DTYPE_NAMES
-        },
-    },
-    "step_state.cu": {
-        "cupy_amp_begin_step": "cupy_amp::StateArgs",
-        "cupy_amp_combine_vote": "cupy_amp::StateArgs",
-        "cupy_amp_mark_overflow": "cupy_amp::StateArgs",
-        "cupy_amp_update_state": "cupy_amp::StateArgs",
-    },
-}
-
-
-def compile_options() -> tuple[str, ...]:
-    """Return the options passed to ``cupy.RawModule`` (CuPy adds its own)."""
-    return ("--std=c++17", f"-DCUPY_AMP_THREADS={THREADS}")
-
-
-_C_TYPES = {
-    "<u8": "unsigned long long",
-    "<i8": "long long",
-    "<i4": "int",
-    "<f4": "float",
-    "<f8": "double",
-    "|u1": "unsigned char",
-}
-
-
-def layout_checks(file_name: str) -> str:
-    """Return C++ that fails to compile unless each struct matches its NumPy dtype and each entry takes its struct.
-
-    A constant of each struct is built by aggregate initialization, which fills
-    the fields in declaration order: each field must hold its own probe value
-    and have the dtype's type; a structured binding must name exactly the
-    dtype's fields; the sizes must agree. Same fields, order, types and size
-    give the same offsets under C's layout rules, which the dtypes follow
-    (``align=True``). The file's entry points must take their struct by value.
-    """
-    lines = [
-        "namespace cupy_amp_layout_checks {",
-        "template <class A, class B> struct same { static constexpr bool value = false; };",
-        "template <class A> struct same<A, A> { static constexpr bool value = true; };",
-    ]
-    for number, (struct, dtype) in enumerate(_STRUCTS.items()):
-        probe, names = f"probe{number}", dtype.names or ()
-        bound = ", ".join(f"b{i}" for i in range(len(names)))
-        lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(names)))}}};")
-        lines.append(f'static_assert(sizeof({struct}) == {dtype.itemsize}, "{struct}: size differs from Python");')
-        lines.append(f"inline void count{number}() {{ [[maybe_unused]] auto [{bound}] = {probe}; }}  // these fields")
-        for index, name in enumerate(names):
-            c_type = _C_TYPES[dtype[name].str]
-            lines.append(
-                f"static_assert({probe}.{name} == {index + 1} && same<decltype({struct}::{name}), {c_type}>::value, "
-                f'"{struct}::{name}: position or type differs from Python");'
-            )
-    for entry, struct in _ENTRIES[file_name].items():
-        lines.append(f'static_assert(same<decltype(&{entry}), void (*)({struct})>::value, "{entry}: signature");')
-    return "\n".join([*lines, "}  // namespace cupy_amp_layout_checks"]) + "\n"
-
-
-def compile_source(file_name: str, directory: Traversable | None = None) -> str:
-    """Return what is compiled for ``file_name``: its inlined source, then the layout checks."""
-    return read_kernel_source(file_name, directory) + '#line 1 "layout_checks"\n' + layout_checks(file_name)
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _module(file_name: str) -> cupy.RawModule:
-    return cupy.RawModule(code=compile_source(file_name), options=compile_options())
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _function(file_name: str, entry: str) -> Any:
-    function = _module(file_name).get_function(entry)
-    return getattr(function, "kernel", function)  # a RawKernel's compiled function for the current device
-
-
-class _Launcher:
-    """A kernel and its one struct argument, kept in host memory and refilled for each launch.
-
-    The driver copies the argument when the launch is queued, so the block can
-    be refilled right after; the lock keeps two threads from interleaving.
-    """
-
-    def __init__(self, function: Any, dtype: np.dtype[Any], threads: int = THREADS, **fixed: int) -> None:
-        self._function = function  # holds the module loaded
-        self._threads = threads
-        self._record = np.zeros(1, dtype)
-        for name, value in fixed.items():
-            self._record[name] = value
-        self._fields = {name: self._record[name] for name in dtype.names or ()}
-        self._params = np.array([self._record.ctypes.data], dtype=np.uint64)  # the driver's void*[1]
-        self._addresses = (int(function.ptr), self._params.ctypes.data)
-        self._lock = threading.Lock()
-
-    def __call__(self, grid: int, stream: int, **values: Any) -> None:
-        """Launch on ``stream`` (a stream pointer) with ``values`` for the changing fields; never synchronizes."""
-        function, params = self._addresses
-        with self._lock:
-            for name, value in values.items():
-                self._fields[name][0] = value
-            cupy.cuda.driver.launchKernel(function, grid, 1, 1, self._threads, 1, 1, 0, stream, params, 0)
 
 
 def as_array(obj: Any) -> Any | None:
@@ -326,8 +92,8 @@ def write_problem(array: cupy.ndarray, source: Any) -> str | None:
             f"its address {array.data.ptr:#x} or strides {array.strides} are not multiples of its itemsize "
             f"{itemsize} (misaligned), which the GPU cannot access"
         )
-    if array.ndim > _MAX_NDIM:
-        return f"it has {array.ndim} dimensions, more than the kernels' {_MAX_NDIM}"
+    if array.ndim > MAX_NDIM:
+        return f"it has {array.ndim} dimensions, more than the kernels' {MAX_NDIM}"
     return None
 
 
@@ -359,20 +125,6 @@ def _layout(array: cupy.ndarray) -> list[int]:
     return [array.ndim, *array.shape, *(stride // array.itemsize for stride in array.strides)]
 
 
-def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
-    """Make ``device_id`` and its context current for a block; free when they already are (the usual case).
-
-    The launches are driver calls, which need a current context: a new thread
-    has none until something makes the device current.
-    """
-    if cupy.cuda.runtime.getDevice() == device_id:
-        if not cupy.cuda.driver.ctxGetCurrent():
-            cupy.cuda.runtime.setDevice(device_id)  # makes the device's primary context current in this thread
-        return contextlib.nullcontext()
-    device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)  # switches, context included
-    return device
-
-
 def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
     """Multiply ``loss`` in place by ``factor``, or by the scale of ``state`` (a State's address), if not 0.
 
@@ -387,8 +139,8 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
             base = loss.data.ptr
             layout = cupy.asarray(np.array(_layout(loss), dtype=np.int64))  # freed in stream order
         chunk = CHUNK_BYTES // loss.itemsize
-        _scale_launcher(dtype_name(loss.dtype))(
-            min(-(-loss.size // chunk), _MAX_GRID),
+        launcher("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name(loss.dtype)}")(
+            min(-(-loss.size // chunk), MAX_GRID),
             cupy.cuda.get_current_stream().ptr,
             base=base,
             numel=loss.size,
@@ -397,11 +149,6 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
             state=state,
             scale=factor,
         )
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _scale_launcher(dtype_name: str) -> _Launcher:
-    return _Launcher(_function("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name}"), SCALE_ARGS)
 
 
 class _Table(NamedTuple):
@@ -453,19 +200,6 @@ def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[_Group, ...]:
     return tuple(groups)
 
 
-def refuse_capture(what: str) -> None:
-    """Raise if the current stream is capturing a CUDA graph: ``what`` needs work that a capture cannot record.
-
-    Raises:
-        ScalerProtocolError: The stream is capturing.
-    """
-    if cupy.cuda.get_current_stream().is_capturing():
-        raise ScalerProtocolError(
-            f"This call cannot run inside a CUDA graph capture: {what}. Before capturing, call "
-            "scaler.prepare(gradients) and pass the GradientSet it returns (or run the step once)."
-        )
-
-
 def _build_table(arrays: list[cupy.ndarray], type_name: str) -> _Table:
     """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
     refuse_capture("these gradients' device tables are not built yet")
@@ -507,7 +241,7 @@ def _build_table(arrays: list[cupy.ndarray], type_name: str) -> _Table:
     launch = stats = None
     if chunk_count:
         tables = {"chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": chunk_count}
-        if type_name in _UNSCALE_DTYPE_NAMES:
+        if type_name in UNSCALE_DTYPE_NAMES:
             function = _function("unscale_check.cu", f"cupy_amp_unscale_check_{type_name}")
             launch = _Launcher(function, UNSCALE_ARGS, tensor_found=tensor_found.data.ptr, **tables)
         function = _function("grad_stats.cu", f"cupy_amp_gradient_stats_{type_name}")
@@ -581,7 +315,7 @@ def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32
                 stream, flags = unscaled.launched[group.device]
                 if group.table.launch is not None:
                     found = flags.device.data.ptr if voting else flags.mapped
-                    grid = min(group.table.chunk_count, _MAX_GRID)
+                    grid = min(group.table.chunk_count, MAX_GRID)
                     group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found, finite=0, state=0)
     except BaseException:
         unscaled.abandon()
@@ -680,11 +414,6 @@ def _stats_grid() -> int:
     return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _finish_launcher() -> _Launcher:
-    return _Launcher(_function("grad_stats.cu", "cupy_amp_finish_stats"), FINISH_ARGS)
-
-
 class DeviceStats:
     """A scaler's Stats record and the statistics blocks' sums of squares, on one device.
 
@@ -695,7 +424,7 @@ class DeviceStats:
     def __init__(self, device: int, finite: Any) -> None:
         self.device = device
         with _on_device(device):
-            self._finish = _finish_launcher()  # loaded now, not inside a capture
+            self._finish = launcher("grad_stats.cu", "cupy_amp_finish_stats")  # loaded now, not inside a capture
             self._grid = _stats_grid()
             self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
             self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
@@ -820,111 +549,10 @@ class Checked:
         return local, count, tuple(sorted(culprits))
 
 
-# The fused optimizers (cupy_amp.optim): a one-thread begin kernel, then one launch per dtype group.
-
-PARAM_CHUNK_ELEMENTS = 16384  # one block's share of a parameter
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _optimizer_launcher(entry: str) -> _Launcher:
-    return _Launcher(_function("optimizers.cu", entry), OPTIMIZER_ARGS)
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _begin_launcher(rule: str) -> _Launcher:
-    return _Launcher(_function("optimizers.cu", f"cupy_amp_{rule}_begin"), BEGIN_ARGS, threads=1)
-
-
-class ParamTable(NamedTuple):
-    """One dtype group's ParamChunk records, in device memory: one launch."""
-
-    entry: str
-    memory: cupy.ndarray
-    chunk_count: int
-
-
-def param_tables(rule: str, groups: dict[str, list[tuple[int, ...]]], counts: dict[str, list[int]]) -> list[ParamTable]:
-    """Build the device tables of an optimizer step (waits for the copy: tables are built once per layout).
-
-    Args:
-        rule: "adamw" or "sgd".
-        groups: dtype name -> one (grad, param, master, first_moment, second_moment) address tuple per
-            parameter (0 for a buffer it does not have).
-        counts: dtype name -> the parameters' element counts.
-    """
-    refuse_capture("the optimizer's device tables for these gradients are not built yet")
-    tables = []
-    stream = cupy.cuda.get_current_stream()
-    for type_name, addresses in groups.items():
-        sizes = np.asarray(counts[type_name], dtype=np.int64)
-        itemsize = 4 if type_name == "float32" else 2
-        per = -(-sizes // PARAM_CHUNK_ELEMENTS)
-        tensor = np.repeat(np.arange(len(sizes)), per)
-        first = (
-            np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
-        ) * PARAM_CHUNK_ELEMENTS
-        bases = np.asarray(addresses, dtype=np.int64).reshape(len(sizes), 5)[tensor]
-        records = np.zeros(len(first), dtype=PARAM_CHUNK)
-        for column, (name, size) in enumerate(
-            (("grad", itemsize), ("param", itemsize), ("master", 4), ("first_moment", 4), ("second_moment", 4))
-        ):
-            records[name] = np.where(bases[:, column] != 0, bases[:, column] + first * size, 0)
-        records["count"] = np.minimum(sizes[tensor] - first, PARAM_CHUNK_ELEMENTS)
-        records = records[records["count"] > 0]
-        memory = cupy.empty(max(records.nbytes, 1), dtype=np.uint8)
-        if records.size:
-            memory[: records.nbytes].set(records.view(np.uint8), stream=stream)
-            tables.append(ParamTable(f"cupy_amp_{rule}_{type_name}", memory, int(records.size)))
-    stream.synchronize()
-    return tables
-
-
-def load_optimizer(rule: str, device: int) -> None:
-    """Load the optimizer's kernels now (a CUDA graph capture cannot load modules)."""
-    with _on_device(device):
-        _begin_launcher(rule)
-        for name in _PARAM_DTYPE_NAMES:
-            _optimizer_launcher(f"cupy_amp_{rule}_{name}")
-
-
-def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: GradientStats | None) -> None:
-    """Queue an optimizer step on the current stream: begin (reads ``stats``' record, if any), then every group.
-
-    A record last written on another stream is waited for (an event).
-
-    Raises:
-        ScalerProtocolError: That other stream's work cannot be waited for inside a CUDA graph capture.
-    """
-    with _on_device(device):
-        current = cupy.cuda.get_current_stream()
-        written = stats.stream if stats is not None else None
-        if written is not None and written.ptr != current.ptr:
-            if current.is_capturing():
-                raise ScalerProtocolError(
-                    "The optimizer step is captured on another stream than the check() that wrote its statistics: "
-                    "capture both on one stream."
-                )
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(written)
-            current.wait_event(event)
-        stream = current.ptr
-        _begin_launcher(rule)(1, stream, hyper=hyper, stats=0 if stats is None else stats.source)
-        for table in tables:
-            grid = min(table.chunk_count, _MAX_GRID)
-            _optimizer_launcher(table.entry)(
-                grid, stream, chunks=table.memory.data.ptr, chunk_count=table.chunk_count, hyper=hyper
-            )
-
-
 # Sync-free scalers: their state in device memory (the State struct), stepped by one-thread kernels.
 
 _owners = itertools.count(1)  # each DeviceState's number, the high 32 bits of its epochs
 _owners_lock = threading.Lock()
-
-
-@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
-def _step_launcher(entry: str) -> _Launcher:
-    return _Launcher(_function("step_state.cu", entry), STATE_ARGS, threads=1)
 
 
 class DeviceState:
@@ -948,10 +576,10 @@ class DeviceState:
         with _on_device(device):
             self._memory = cupy.zeros(STATE.itemsize, dtype=np.uint8)
             # Loaded now, not at a first call that may come inside a CUDA graph capture (which cannot load modules).
-            for entry in _ENTRIES["step_state.cu"]:
-                _step_launcher(entry)
-            for name in _UNSCALE_DTYPE_NAMES:
-                _scale_launcher(name)
+            for entry in ENTRIES["step_state.cu"]:
+                launcher("step_state.cu", entry, threads=1)
+            for name in UNSCALE_DTYPE_NAMES:
+                launcher("scale_loss.cu", f"cupy_amp_scale_loss_{name}")
         with _owners_lock:
             self._owner = (next(_owners) % 2**32) << 32
         self.address = int(self._memory.data.ptr)
@@ -985,7 +613,7 @@ class DeviceState:
 
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):
-            _step_launcher(entry)(1, self.follow().ptr, state=self.address)
+            launcher("step_state.cu", entry, threads=1)(1, self.follow().ptr, state=self.address)
 
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
         """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad votes).
@@ -1040,7 +668,7 @@ class DeviceState:
             stream = self.follow()
             for group in call.plan:
                 if group.table.launch is not None:
-                    grid = min(group.table.chunk_count, _MAX_GRID)
+                    grid = min(group.table.chunk_count, MAX_GRID)
                     group.table.launch(
                         grid, stream.ptr, inv_scale=0, epoch=0, found=found, finite=finite, state=self.address
                     )

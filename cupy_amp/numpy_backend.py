@@ -14,9 +14,10 @@ import numpy as np
 
 from cupy_amp.distributed import OverflowVote, cast_host_vote, host_sums, host_verdict, overflow_count_verdict
 from cupy_amp.errors import CommunicatorError
+from cupy_amp.kernel_interface import STATS
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.state import Verdict
-from cupy_amp.statistics import STATS, GradientStats, finish_host
+from cupy_amp.statistics import GradientStats, finish_host
 from cupy_amp.statistics import host_sums as sums_of
 
 __all__ = ["LAYOUT_FIXED", "NAME", "HostState", "HostStats", "location", "prepare", "scale_loss", "write_problem"]

@@ -5,7 +5,8 @@ Nothing here touches arrays or devices. :class:`ScalerConfig` and
 config, the previous state and whether the step overflowed. The field
 validators shared with the checkpoint live here too, so that every value the
 scaler can hold is checked by the same code, with messages of one shape:
-``Invalid 'name': expected <what>, got <value>.``
+``Invalid 'name': expected <what>, got <value>.`` :func:`power_of_two` writes
+a scale for people (the CLI's and the demo's output).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ __all__ = [
     "initial_state",
     "inverse_scale",
     "next_state",
+    "power_of_two",
     "to_float32",
 ]
 
@@ -269,3 +271,20 @@ def next_state(
         backoffs=state.backoffs,
         remote_skipped_steps=state.remote_skipped_steps,
     )
+
+
+def power_of_two(value: float) -> str | None:
+    """Write ``value`` as ``2**N``, or ``m * 2**N`` with a mantissa of at most 10 bits, else return None.
+
+    Loss scales are usually powers of two, and ``2**36`` reads better than
+    68719476736 (the CLI writes scales so, and the demo its log's numbers).
+    """
+    if not (value > 0 and math.isfinite(value)):
+        return None
+    mantissa, exponent = math.frexp(value)  # value == mantissa * 2**exponent, 0.5 <= mantissa < 1
+    mantissa, exponent = mantissa * 2, exponent - 1
+    if mantissa == 1:
+        return f"2**{exponent}"
+    if (mantissa * 2**10).is_integer():  # e.g. 98304 is 1.5 * 2**16; long mantissas would not help
+        return f"{mantissa!r} * 2**{exponent}"
+    return None

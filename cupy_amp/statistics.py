@@ -1,4 +1,4 @@
-"""The read-only statistics pass: its device record, its result, and its NumPy reference.
+"""The read-only statistics pass: its result, and its NumPy reference.
 
 ``check(gradients, max_norm=...)`` on either scaler reads every gradient once,
 without writing it, and yields the step's overflow verdict, which gradients
@@ -8,7 +8,8 @@ float64 (no finite float16/float32 gradient can overflow the sum). On the GPU
 the sum is reduced in a fixed order (the same bits on every run); on the host
 NumPy sums it (within the last bit of float32 of the GPU's norm). The
 optimizers of :mod:`cupy_amp.optim` read the factor ``inv_scale *
-clip_coefficient`` and the skip flag from the record, on the device.
+clip_coefficient`` and the skip flag from the record, on the device; its layout
+is :data:`cupy_amp.kernel_interface.STATS`.
 """
 
 from __future__ import annotations
@@ -22,24 +23,9 @@ import numpy as np
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
 
-__all__ = ["CLIP_EPS", "STATS", "GradientStats", "expect_max_norm", "finish_host", "host_sums"]
+__all__ = ["CLIP_EPS", "GradientStats", "expect_max_norm", "finish_host", "host_sums"]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
-
-# The Stats struct of kernels/common.cuh (cupy_amp.cupy_backend checks the two agree at every compile).
-STATS = np.dtype(
-    [
-        ("overflowed", "<f8"),
-        ("sum_of_squares", "<f8"),
-        ("norm", "<f4"),
-        ("clip_coefficient", "<f4"),
-        ("factor", "<f4"),
-        ("found", "<i4"),
-        ("skip", "<i4"),
-        ("bad_vote", "<i4"),
-    ],
-    align=True,
-)
 
 
 def expect_max_norm(max_norm: object) -> float:
@@ -75,7 +61,7 @@ def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:
 def finish_host(
     record: np.ndarray, total: float, inv_scale: np.float32, max_norm: float, local: bool, agreed: bool
 ) -> None:
-    """Fill a 0-d :data:`STATS` record from a sum of squares, as the finishing kernel does.
+    """Fill a 0-d :data:`~cupy_amp.kernel_interface.STATS` record from a sum of squares, as the finishing kernel does.
 
     ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did.
     """

@@ -1,5 +1,5 @@
 // Shared device code for cupy-amp's kernels. cupy_amp/kernel_sources.py inlines this file into each
-// .cu file (so its text is part of CuPy's compile-cache key), and cupy_amp/cupy_backend.py appends
+// .cu file (so its text is part of CuPy's compile-cache key), and cupy_amp/kernel_interface.py appends
 // static_asserts that the structs below match their NumPy mirrors, field by field.
 //
 // Numerics must equal the NumPy path bit for bit on x86-64 hosts:
@@ -11,7 +11,7 @@
 
 // Threads per block: the Python side passes it with -D and launches with the same number.
 #ifndef CUPY_AMP_THREADS
-#error "compile with -DCUPY_AMP_THREADS=<threads per block>, as cupy_amp/cupy_backend.py does"
+#error "compile with -DCUPY_AMP_THREADS=<threads per block>, as cupy_amp/kernel_interface.py does"
 #endif
 
 namespace cupy_amp {
@@ -26,7 +26,7 @@ constexpr int kMinBlocks = 2;
 constexpr int kUnroll = 4;
 constexpr int kMaxNdim = 64;
 
-// The records below are written by the Python side (cupy_amp/cupy_backend.py mirrors each with a NumPy
+// The records below are written by the Python side (cupy_amp/kernel_interface.py mirrors each with a NumPy
 // dtype, and every compile checks that the two agree field by field). Device addresses are u64.
 
 // One chunk of a multi-tensor table: one block's unit of work, inside one tensor.

@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+from cupy_amp.kernel_interface import compile_options as runtime_options
+from cupy_amp.kernel_interface import compile_source, layout_checks
 from cupy_amp.kernel_sources import KERNEL_FILES
 from tools import check_kernels
 
@@ -50,8 +52,6 @@ def test_main_on_the_source_kernels_returns_0(capsys: pytest.CaptureFixture[str]
 
 @pytest.mark.parametrize("arch", ["70", "80", "90"])
 def test_compile_options_are_cupys_plus_cupy_amps(arch: str) -> None:
-    from cupy_amp.cupy_backend import compile_options as runtime_options
-
     options = check_kernels.compile_options(arch)
     for cupy_adds in ("-ftz=true", "--device-as-default-execution-space", f"-arch=sm_{arch}"):
         assert cupy_adds in options
@@ -89,7 +89,6 @@ def test_compiled_source_is_the_inlined_kernel_source(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(nvrtc, "createProgram", spy)
     check_kernels.compile_kernel("unscale_check.cu", "80")
-    from cupy_amp.cupy_backend import compile_source, layout_checks
 
     assert sources == [compile_source("unscale_check.cu")]
     assert sources[0].startswith('#line 1 "unscale_check.cu"')

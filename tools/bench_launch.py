@@ -1,7 +1,7 @@
 """Host time of one kernel launch: cupy-amp's driver launch from a reused argument block, against CuPy's call.
 
 Both launch the same compiled unscale kernel with the same struct argument
-(``cupy_backend.UNSCALE_ARGS``) over a one-chunk table; the kernel is tiny,
+(``kernel_interface.UNSCALE_ARGS``) over a one-chunk table; the kernel is tiny,
 so N launches queued back to back take N times the host cost of a launch.
 This is the measurement that decides whether the driver launch is worth its
 code (issue 12): CuPy's ``RawKernel.__call__`` accepts the struct as a
@@ -20,7 +20,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import cupy_backend
+from cupy_amp import cupy_backend, kernel_interface, kernel_launch
 
 
 def per_launch_us(launch: Any, launches: int, repeats: int) -> float:
@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     def driver() -> None:
         table.launch(1, stream.ptr, inv_scale=factor, epoch=1, found=flag.data.ptr)
 
-    kernel = cupy_backend._module("unscale_check.cu").get_function("cupy_amp_unscale_check_float32")
-    record = np.zeros(1, cupy_backend.UNSCALE_ARGS)
+    kernel = kernel_launch._module("unscale_check.cu").get_function("cupy_amp_unscale_check_float32")
+    record = np.zeros(1, kernel_interface.UNSCALE_ARGS)
     record["chunks"] = table.memory.data.ptr
     record["layouts"] = table.memory.data.ptr + 32 * table.chunk_count
     record["chunk_count"] = table.chunk_count
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     def cupy_call() -> None:
         record["inv_scale"] = factor
         record["epoch"] = 1
-        kernel((1,), (cupy_backend.THREADS,), (record,))
+        kernel((1,), (kernel_interface.THREADS,), (record,))
 
     for name, launch in (("driver launch, reused block", driver), ("CuPy RawKernel call", cupy_call)):
         launch()

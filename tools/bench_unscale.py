@@ -31,7 +31,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import GradientSet, GradScaler, cupy_backend
+from cupy_amp import GradientSet, GradScaler, cupy_backend, kernel_interface
 from cupy_amp.rule import ScalerConfig, ScalerState
 
 INV_SCALES = (np.float32(2.0**-16), np.float32(2.0**16))
@@ -377,7 +377,7 @@ def environment(repeats: int) -> dict[str, object]:
         "python": platform.python_version(),
         "date": time.strftime("%Y-%m-%d"),
         "repeats": repeats,
-        "launch": {"threads": cupy_backend.THREADS, "chunk_bytes": cupy_backend.CHUNK_BYTES},
+        "launch": {"threads": kernel_interface.THREADS, "chunk_bytes": kernel_interface.CHUNK_BYTES},
     }
     try:
         import torch

@@ -20,6 +20,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cupy_amp.kernel_interface import compile_options as runtime_options
+from cupy_amp.kernel_interface import compile_source
 from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory
 
 DEFAULT_ARCHS = ("70", "80", "90")
@@ -58,16 +60,12 @@ def nvrtc_problem() -> str | None:
 
 def compile_options(arch: str) -> tuple[str, ...]:
     """Return the full NVRTC option list CuPy would use for ``arch``."""
-    from cupy_amp.cupy_backend import compile_options as runtime_options
-
     return (*runtime_options(), *CUPY_ADDED_OPTIONS, f"-arch=sm_{arch}")
 
 
 def compile_kernel(file_name: str, arch: str, directory: Path | None = None) -> CompileResult:
     """Compile one kernel file (from ``directory``, default the one cupy-amp loads) for one architecture."""
     from cupy.cuda import nvrtc
-
-    from cupy_amp.cupy_backend import compile_source
 
     folder = Path(str(directory if directory is not None else kernel_directory()))
     program = nvrtc.createProgram(compile_source(file_name, folder), file_name, (), ())

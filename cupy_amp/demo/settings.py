@@ -15,8 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from cupy_amp.cli import power_of_two
 from cupy_amp.errors import CupyAmpError
+from cupy_amp.rule import power_of_two
 
 __all__ = [
     "DEFAULTS",

@@ -84,10 +84,10 @@ class _FusedOptimizer:
         self._tables: Any = None
         self._table_key: tuple[int, ...] | None = None
         if self._device >= 0:
-            from cupy_amp import cupy_backend
+            from cupy_amp.optim import launches
 
-            self._backend = cupy_backend
-            cupy_backend.load_optimizer(self._rule, self._device)
+            self._backend = launches
+            launches.load_optimizer(self._rule, self._device)
             with xp.cuda.Device(self._device):
                 self._device_record = xp.zeros(self._record_dtype.itemsize, dtype=np.uint8)
             self._push_record()

@@ -1,10 +1,10 @@
 """The fused optimizers' numerics in NumPy: the CPU path, and the reference the GPU kernels match bit for bit.
 
-An optimizer's scalar state is one record (:data:`ADAMW_STATE`, :data:`SGD_STATE`),
-laid out like its struct in ``kernels/common.cuh`` (the CuPy backend keeps it in
-device memory). :func:`begin_adamw` / :func:`begin_sgd` open a step on it: take
-the step's factor and skip flag, advance the step counter unless skipped, and
-derive the float32 constants in float64, rounded once. :func:`adamw_update` /
+An optimizer's scalar state is one record (:data:`ADAMW_STATE`, :data:`SGD_STATE`:
+its struct in ``kernels/common.cuh``, mirrored in :mod:`cupy_amp.kernel_interface`;
+the CuPy path keeps it in device memory). :func:`begin_adamw` / :func:`begin_sgd`
+open a step on it: take the step's factor and skip flag, advance the step
+counter unless skipped, and derive the float32 constants in float64, rounded once. :func:`adamw_update` /
 :func:`sgd_update` then apply one step to float32 arrays in place, one
 correctly rounded float32 operation at a time, in the kernels' order (NumPy
 neither fuses nor flushes subnormals; the kernels use explicit PTX for both).
@@ -17,48 +17,10 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ADAMW_STATE", "SGD_STATE", "adamw_update", "begin_adamw", "begin_sgd", "sgd_update"]
+from cupy_amp.kernel_interface import ADAMW_STATE, SGD_STATE
 
-ADAMW_STATE = np.dtype(
-    [
-        ("step", "<u8"),
-        ("lr", "<f8"),
-        ("beta1", "<f8"),
-        ("beta2", "<f8"),
-        ("eps", "<f8"),
-        ("weight_decay", "<f8"),
-        ("beta1_power", "<f8"),
-        ("beta2_power", "<f8"),
-        ("factor", "<f4"),
-        ("decay", "<f4"),
-        ("neg_step_size", "<f4"),
-        ("bias_correction2_sqrt", "<f4"),
-        ("lerp_weight", "<f4"),
-        ("beta2_f", "<f4"),
-        ("one_minus_beta2", "<f4"),
-        ("eps_f", "<f4"),
-        ("skip", "<i4"),
-    ],
-    align=True,
-)
-SGD_STATE = np.dtype(
-    [
-        ("step", "<u8"),
-        ("lr", "<f8"),
-        ("momentum", "<f8"),
-        ("dampening", "<f8"),
-        ("weight_decay", "<f8"),
-        ("factor", "<f4"),
-        ("neg_lr", "<f4"),
-        ("momentum_f", "<f4"),
-        ("one_minus_dampening", "<f4"),
-        ("weight_decay_f", "<f4"),
-        ("nesterov", "<i4"),
-        ("first", "<i4"),
-        ("skip", "<i4"),
-    ],
-    align=True,
-)
+# The record dtypes are named here too: a record and the functions that step it go together.
+__all__ = ["ADAMW_STATE", "SGD_STATE", "adamw_update", "begin_adamw", "begin_sgd", "sgd_update"]
 
 _f32 = np.float32
 

@@ -20,6 +20,7 @@ from cupy_amp import (  # noqa: E402
     GradScaler,
     cupy_backend,
 )
+from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
 
 UINT = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
 NAN_PAYLOADS = {
@@ -34,7 +35,7 @@ def bits(array: np.ndarray) -> np.ndarray:
 
 
 def chunk_elements(itemsize: int) -> int:
-    return cupy_backend.CHUNK_BYTES // itemsize
+    return CHUNK_BYTES // itemsize
 
 
 def random_array(rng: np.random.Generator, size: int, dtype: np.dtype) -> np.ndarray:

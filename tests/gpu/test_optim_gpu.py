@@ -13,8 +13,9 @@ cupy = pytest.importorskip("cupy")
 from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
 from cupy_amp.dtypes import bfloat16  # noqa: E402
 from cupy_amp.errors import CommunicatorError  # noqa: E402
+from cupy_amp.kernel_interface import STATS  # noqa: E402
 from cupy_amp.optim import SGD, AdamW  # noqa: E402
-from cupy_amp.statistics import STATS, GradientStats  # noqa: E402
+from cupy_amp.statistics import GradientStats  # noqa: E402
 
 SCALERS = [GradScaler, SyncFreeGradScaler]
 BF16 = bfloat16()

@@ -1,0 +1,102 @@
+"""Compile the kernels once per device and launch them through the driver, one struct argument each.
+
+Modules are compiled on first use, once per device (never at import), with
+``cupy.RawModule`` and plain ``extern "C"`` entry points, so CuPy's on-disk
+compile cache applies; what is compiled is
+:func:`cupy_amp.kernel_interface.compile_source`. A :class:`_Launcher` queues
+one driver call per launch on a given stream, from a parameter block reused
+launch after launch; :func:`launcher` hands out one per (device, entry point),
+its struct taken from :data:`cupy_amp.kernel_interface.ENTRIES`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import cupy
+import numpy as np
+
+from cupy_amp.errors import ScalerProtocolError
+from cupy_amp.kernel_interface import ENTRIES, STRUCTS, THREADS, compile_options, compile_source
+
+__all__ = ["MAX_GRID", "launcher", "refuse_capture"]
+
+MAX_GRID = 2**31 - 1  # the most blocks of a launch (gridDim.x); the kernels loop over the chunks beyond it
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _module(file_name: str) -> cupy.RawModule:
+    return cupy.RawModule(code=compile_source(file_name), options=compile_options())
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def _function(file_name: str, entry: str) -> Any:
+    function = _module(file_name).get_function(entry)
+    return getattr(function, "kernel", function)  # a RawKernel's compiled function for the current device
+
+
+class _Launcher:
+    """A kernel and its one struct argument, kept in host memory and refilled for each launch.
+
+    The driver copies the argument when the launch is queued, so the block can
+    be refilled right after; the lock keeps two threads from interleaving.
+    """
+
+    def __init__(self, function: Any, dtype: np.dtype[Any], threads: int = THREADS, **fixed: int) -> None:
+        self._function = function  # holds the module loaded
+        self._threads = threads
+        self._record = np.zeros(1, dtype)
+        for name, value in fixed.items():
+            self._record[name] = value
+        self._fields = {name: self._record[name] for name in dtype.names or ()}
+        self._params = np.array([self._record.ctypes.data], dtype=np.uint64)  # the driver's void*[1]
+        self._addresses = (int(function.ptr), self._params.ctypes.data)
+        self._lock = threading.Lock()
+
+    def __call__(self, grid: int, stream: int, **values: Any) -> None:
+        """Launch on ``stream`` (a stream pointer) with ``values`` for the changing fields; never synchronizes."""
+        function, params = self._addresses
+        with self._lock:
+            for name, value in values.items():
+                self._fields[name][0] = value
+            cupy.cuda.driver.launchKernel(function, grid, 1, 1, self._threads, 1, 1, 0, stream, params, 0)
+
+
+@cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
+def launcher(file_name: str, entry: str, *, threads: int = THREADS) -> _Launcher:
+    """Return the current device's launcher of ``entry`` in ``file_name`` (compiles and loads it on first use).
+
+    One per device and arguments as passed (``threads`` is keyword-only, so
+    each kernel is asked for in one spelling): get it outside a CUDA graph
+    capture first, since a capture cannot load modules.
+    """
+    return _Launcher(_function(file_name, entry), STRUCTS[ENTRIES[file_name][entry]], threads)
+
+
+def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
+    """Make ``device_id`` and its context current for a block; free when they already are (the usual case).
+
+    The launches are driver calls, which need a current context: a new thread
+    has none until something makes the device current.
+    """
+    if cupy.cuda.runtime.getDevice() == device_id:
+        if not cupy.cuda.driver.ctxGetCurrent():
+            cupy.cuda.runtime.setDevice(device_id)  # makes the device's primary context current in this thread
+        return contextlib.nullcontext()
+    device: contextlib.AbstractContextManager[Any] = cupy.cuda.Device(device_id)  # switches, context included
+    return device
+
+
+def refuse_capture(what: str) -> None:
+    """Raise if the current stream is capturing a CUDA graph: ``what`` needs work that a capture cannot record.
+
+    Raises:
+        ScalerProtocolError: The stream is capturing.
+    """
+    if cupy.cuda.get_current_stream().is_capturing():
+        raise ScalerProtocolError(
+            f"This call cannot run inside a CUDA graph capture: {what}. Before capturing, call "
+            "scaler.prepare(gradients) and pass the GradientSet it returns (or run the step once)."
+        )
