@@ -2,9 +2,10 @@
 
 Gradients are grouped by (device, dtype); each group is one launch of the
 multi-tensor kernel over device tables (one chunk record per block of work),
-cached for the common case where the same memory comes back every step. The
-only synchronization of a call is the read-back of one overflow flag per
-device (and, only after an overflow, of the per-gradient flags).
+cached for the common case where the same memory comes back every step. Every
+launch reads the scale, the step's epoch and its flags from a :class:`DeviceState`
+in device memory; only the synchronous face reads the verdict back, with one
+small copy per call (and, only after an overflow, of the per-gradient flags).
 
 Kernels are compiled and launched through :mod:`cupy_amp.kernel_launch`,
 each with one struct argument laid out as :mod:`cupy_amp.kernel_interface`
@@ -23,7 +24,7 @@ from typing import Any, NamedTuple
 import cupy
 import numpy as np
 
-from cupy_amp.distributed import OverflowVote, device_answer
+from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import (
@@ -39,21 +40,19 @@ from cupy_amp.kernel_interface import (
 )
 from cupy_amp.kernel_launch import MAX_GRID, _function, _Launcher, _on_device, launcher, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
+from cupy_amp.state import Verdict
 from cupy_amp.statistics import GradientStats
 
 __all__ = [
     "LAYOUT_FIXED",
     "NAME",
-    "Checked",
     "DeviceState",
     "DeviceStats",
     "as_array",
-    "check",
     "location",
     "prepare",
     "refuse_capture",
     "scale_loss",
-    "unscale",
     "write_problem",
 ]
 
@@ -249,158 +248,6 @@ def _build_table(arrays: list[cupy.ndarray], type_name: str) -> _Table:
     return _Table(chunk_count, memory, tensor_found, launch, stats)
 
 
-class _Flags:
-    """Where the kernels of one call report inf/nan on one device.
-
-    ``host`` is pinned, mapped host memory: without a vote the kernels write
-    its first word directly (with unified addressing its host pointer is valid
-    on the device), so reading it costs a stream synchronization and no copy.
-    With a vote, they write ``device[0]``, the all-reduce writes ``device[1]``,
-    and both are copied to ``host``. The kernels only ever write 1: flags are
-    cleared when a call takes them.
-    """
-
-    def __init__(self) -> None:
-        flags = cupy.cuda.runtime.hostAllocMapped | cupy.cuda.runtime.hostAllocPortable
-        self._pinned = cupy.cuda.PinnedMemory(8, flags)
-        self.host = np.frombuffer(cupy.cuda.PinnedMemoryPointer(self._pinned, 0), dtype=np.int32, count=2)
-        self.host[:] = 0
-        self.mapped = self._pinned.ptr
-        self.device = cupy.zeros(2, dtype=np.int32)
-
-
-# Flags not in use, per device. A call takes its own and gives them back after reading them. A call that
-# fails before reading them parks them with an event on their stream: a kernel in flight may still write
-# them, so they are reused only once the event has completed.
-_spare_flags: dict[int, list[_Flags]] = {}
-_parked_flags: list[tuple[Any, int, _Flags]] = []
-_flags_lock = threading.Lock()
-# Per-tensor flags hold the epoch of the launch that saw inf/nan. These calls' epochs stay below 2**32;
-# a sync-free scaler's carry its own number in the high 32 bits (DeviceState), so none collide.
-_epochs = itertools.count(1)
-
-
-def _take_flags(device: int) -> _Flags:
-    with _flags_lock:
-        if _parked_flags:
-            for parked in [entry for entry in _parked_flags if entry[0].done]:
-                _parked_flags.remove(parked)
-                _spare_flags.setdefault(parked[1], []).append(parked[2])
-        spare = _spare_flags.get(device)
-        if spare:
-            return spare.pop()
-    return _Flags()
-
-
-def unscale(plan: tuple[_Group, ...], arrays: Sequence[Any], inverse: np.float32, voting: bool) -> Unscaled:
-    """Launch the fused unscale-and-check of every group on its device's current stream.
-
-    Asynchronous: the kernels are queued, nothing is waited for. With
-    ``voting``, the plan has one device (the caller checked) and the flag goes
-    to device memory, for :meth:`Unscaled.vote` to all-reduce.
-    """
-    epoch = next(_epochs) % (2**32 - 1) + 1
-    unscaled = Unscaled(plan, {}, epoch, voting)
-    try:
-        for group in plan:
-            with _on_device(group.device):
-                if group.device not in unscaled.launched:
-                    stream = cupy.cuda.get_current_stream()
-                    flags = _take_flags(group.device)
-                    unscaled.launched[group.device] = (stream, flags)
-                    if voting:
-                        cupy.cuda.runtime.memsetAsync(flags.device.data.ptr, 0, 8, stream.ptr)
-                    else:
-                        flags.host[0] = 0  # no kernel writes flags that no call holds
-                stream, flags = unscaled.launched[group.device]
-                if group.table.launch is not None:
-                    found = flags.device.data.ptr if voting else flags.mapped
-                    grid = min(group.table.chunk_count, MAX_GRID)
-                    group.table.launch(grid, stream.ptr, inv_scale=inverse, epoch=epoch, found=found, finite=0, state=0)
-    except BaseException:
-        unscaled.abandon()
-        raise
-    return unscaled
-
-
-class Unscaled:
-    """Kernels of one call in flight: vote on their flag (optional), then read the result.
-
-    Every device's flags are handled under that device, on the stream the
-    kernels were queued on (a stream handle of 0 means "the current device's
-    default stream").
-    """
-
-    def __init__(
-        self, plan: tuple[_Group, ...], launched: dict[int, tuple[Any, _Flags]], epoch: int, voting: bool
-    ) -> None:
-        self._plan = plan
-        self.launched = launched
-        self._epoch = epoch
-        self._voting = voting
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Queue the MAX all-reduce of the local flag on the stream (never synchronizes).
-
-        If ``reduce_max`` raises, it queued nothing (NCCL's contract): the caller votes from the host.
-        """
-        ((device, (stream, flags)),) = self.launched.items()  # one device when voting
-        with _on_device(device):
-            vote.reduce_max(flags.device, stream)
-
-    def result(self) -> tuple[bool, bool | None, tuple[int, ...]]:
-        """Wait for the kernels (the one synchronization) and return what they found.
-
-        Returns (this rank's overflow, the ranks' verdict or None without a
-        vote, positions of the arrays that held inf/nan).
-
-        Raises:
-            CommunicatorError: The all-reduced flag is not a maximum over the ranks.
-        """
-        local, agreed = False, None
-        culprits: list[int] = []
-        for device, (stream, flags) in self.launched.items():
-            with _on_device(device):
-                if self._voting:
-                    cupy.cuda.runtime.memcpyAsync(
-                        flags.host.ctypes.data, flags.device.data.ptr, 8, cupy.cuda.runtime.memcpyDeviceToHost,
-                        stream.ptr,
-                    )  # fmt: skip
-                stream.synchronize()
-                local_flag, agreed_flag = int(flags.host[0]), int(flags.host[1])
-                if local_flag != 0:
-                    local = True
-                    for group in self._plan:
-                        if group.device == device:
-                            seen = group.table.tensor_found.get(stream=stream)
-                            culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
-            if self._voting:
-                agreed = device_answer(local_flag, agreed_flag)
-        launched, self.launched = self.launched, {}  # first: an interrupt now must not also park them
-        with _flags_lock:
-            for device, (_, flags) in launched.items():
-                _spare_flags.setdefault(device, []).append(flags)
-        return local, agreed, tuple(sorted(culprits))
-
-    def abandon(self) -> None:
-        """Give up on this call after a failure: park its flags until its kernels are done with them."""
-        for device, (stream, flags) in self.launched.items():
-            try:
-                with _on_device(device):
-                    event = cupy.cuda.Event(disable_timing=True)
-                    event.record(stream)
-            except Exception:
-                # A broken context: keep the flags referenced forever rather than free them under a kernel.
-                _lost_flags.append(flags)
-                continue
-            with _flags_lock:
-                _parked_flags.append((event, device, flags))
-        self.launched = {}
-
-
-_lost_flags: list[_Flags] = []
-
-
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
 
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
@@ -491,64 +338,6 @@ class DeviceStats:
         )  # fmt: skip
 
 
-def check(
-    plan: tuple[_Group, ...], arrays: Sequence[Any], stats: DeviceStats, inverse: np.float32, max_norm: float,
-    voting: bool,
-) -> Checked:  # fmt: skip
-    """Queue the statistics pass of one device's groups with a host-side inverse scale; never waits.
-
-    With ``voting``, only this rank's sums are taken: :meth:`Checked.vote` all-reduces them and finishes.
-    """
-    epoch = next(_epochs) % (2**32 - 1) + 1
-    with _on_device(stats.device):
-        stream = cupy.cuda.get_current_stream()
-        stats.found.fill(0)
-        found = stats.address + _STATS_FIELDS["found"]
-        stats.gather(
-            plan, stream, found=found, finite=0, state=0, epoch=epoch, inv_scale=inverse, max_norm=max_norm,
-            voting=voting,
-        )  # fmt: skip
-    return Checked(plan, stats, stream, epoch, inverse, max_norm, voting)
-
-
-class Checked:
-    """A statistics pass in flight: all-reduce its sums (with a communicator), then read the result."""
-
-    def __init__(
-        self, plan: tuple[_Group, ...], stats: DeviceStats, stream: Any, epoch: int, inverse: np.float32,
-        max_norm: float, voting: bool,
-    ) -> None:  # fmt: skip
-        self._plan, self._stats, self._stream, self._epoch = plan, stats, stream, epoch
-        self._inverse, self._max_norm, self._voting = inverse, max_norm, voting
-        self._voted = False
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Queue the SUM all-reduce of the (overflowed, sum of squares) pair, then the finish; never waits.
-
-        If ``reduce_sum`` raises, it queued nothing (NCCL's contract): the caller joins from the host.
-        """
-        stats = self._stats
-        with _on_device(stats.device):
-            vote.reduce_sum(stats.values, self._stream)  # type: ignore[attr-defined]
-        self._voted = True
-
-    def result(self) -> tuple[bool, float | None, tuple[int, ...]]:
-        """Finish after the vote, wait; return (this rank's overflow, the ranks' overflow count or None, culprits)."""
-        stats = self._stats
-        with _on_device(stats.device):
-            if self._voted:
-                stats.finish(self._stream, state=0, inv_scale=self._inverse, max_norm=self._max_norm)
-            record = stats.read(self._stream)  # waits
-            local = bool(record["found"])
-            culprits: list[int] = []
-            if local:
-                for group in self._plan:
-                    seen = group.table.tensor_found.get(stream=self._stream)
-                    culprits += [group.positions[i] for i in np.flatnonzero(seen == self._epoch)]
-        count = float(record["overflowed"]) if self._voting else None
-        return local, count, tuple(sorted(culprits))
-
-
 # Sync-free scalers: their state in device memory (the State struct), stepped by one-thread kernels.
 
 _owners = itertools.count(1)  # each DeviceState's number, the high 32 bits of its epochs
@@ -583,6 +372,9 @@ class DeviceState:
         with _owners_lock:
             self._owner = (next(_owners) % 2**32) << 32
         self.address = int(self._memory.data.ptr)
+        # Where read() copies the State: pinned, so the copy is one DMA and the wait is the stream's.
+        self._pinned = cupy.cuda.alloc_pinned_memory(STATE.itemsize)
+        self._host = np.frombuffer(self._pinned, dtype=STATE, count=1)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
         self.stats = DeviceStats(device, self.finite)
@@ -614,6 +406,24 @@ class DeviceState:
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):
             launcher("step_state.cu", entry, threads=1)(1, self.follow().ptr, state=self.address)
+
+    def read(self) -> Verdict:
+        """Wait for the state's last work and return the step's verdict (synchronizes that stream only).
+
+        One small copy of the State to pinned memory on the stream of the last
+        work, then a wait for that stream: the synchronous face's one read per call.
+        """
+        with _on_device(self.device):
+            stream = self.follow()
+            cupy.cuda.runtime.memcpyAsync(
+                self._host.ctypes.data, self.address, STATE.itemsize, cupy.cuda.runtime.memcpyDeviceToHost,
+                stream.ptr,
+            )  # fmt: skip
+            stream.synchronize()
+        (record,) = self._host
+        found = record["found"] != 0
+        overflow = bool(found or record["agreed"] != 0)
+        return Verdict(overflow, bool(found), int(record["epoch"]) & 0xFFFFFFFF, int(record["bad_votes"]))
 
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
         """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad votes).

@@ -521,15 +521,15 @@ def test_a_call_that_fails_while_waiting_counts_and_its_arrays_are_never_divided
 ) -> None:
     grads = [cupy.full(1000, 8.0, cupy.float32)]
     scaler = GradScaler(init_scale=4.0)
-    real = cupy_backend.Unscaled.result
+    real = cupy_backend.DeviceState.read
 
     def lost(self: object) -> object:
         raise RuntimeError("the device went away while the kernels ran")
 
-    monkeypatch.setattr(cupy_backend.Unscaled, "result", lost)
+    monkeypatch.setattr(cupy_backend.DeviceState, "read", lost)
     with pytest.raises(RuntimeError, match="went away"):
         scaler.unscale_and_check(grads)
-    monkeypatch.setattr(cupy_backend.Unscaled, "result", real)
+    monkeypatch.setattr(cupy_backend.DeviceState, "read", real)
     with pytest.raises(DuplicateGradientError):
         scaler.unscale_and_check(grads)
     cupy.cuda.Device().synchronize()
@@ -540,16 +540,17 @@ def test_a_call_that_fails_while_waiting_counts_and_its_arrays_are_never_divided
     assert float(grads[0][0]) == 1.0
 
 
-def test_flag_memory_does_not_grow_with_the_number_of_streams() -> None:
-    device = cupy.cuda.Device().id
-    scaler = GradScaler(init_scale=2.0, growth_interval=1000)
-    for _ in range(30):
+def test_steps_on_a_new_stream_each_time_see_the_last_steps_scale() -> None:
+    scaler = GradScaler(init_scale=2.0, growth_interval=1, max_scale=2.0**40)
+    for step in range(30):
         stream = cupy.cuda.Stream(non_blocking=True)
         with stream:
-            assert scaler.unscale_and_check([cupy.ones(100, cupy.float32)])
+            grad = cupy.full(100, 2.0 ** (step + 1), cupy.float32)
+            assert scaler.unscale_and_check([grad])
             scaler.update()
+            assert float(grad[0]) == 1.0  # divided by the scale the last step (on another stream) left
         del stream
-    assert len(cupy_backend._spare_flags[device]) <= 2
+    assert scaler.scale_factor() == 2.0**31
 
 
 class GarbageVote:
