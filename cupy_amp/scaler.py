@@ -185,10 +185,11 @@ class GradScaler:
 
     def _place(self, lane: StateSet, backend: Any, device: int) -> State:
         """Return ``lane``'s state for arrays of ``backend`` on ``device``, placed from the mirror on first use."""
-        mirror = self._mirror
-        state = mirror.state if lane is self._scaling else lane.all()[0].snapshot()[0]
-        overflow, local = lane.verdict
-        current = Snapshot(state, overflow, local, 0)
+
+        def current() -> Snapshot:
+            state = self._mirror.state if lane is self._scaling else lane.all()[0].snapshot()[0]
+            return Snapshot(state, *lane.verdict, 0)
+
         return lane.place(backend, device, current, self._step.phase in (UNSCALED, INSPECTED))
 
     def scale_factor(self) -> float:
@@ -339,9 +340,9 @@ class GradScaler:
         if verdict.bad_votes > reported:
             self._bad_votes[id(state)] = verdict.bad_votes
             raise CommunicatorError(
-                "The all-reduce answered something impossible (no maximum of the ranks' 0/1 flags for "
-                "unscale_and_check, no count of ranks with inf/nan for check): the communicator did not run the "
-                "expected reduction. The step counts as an overflow."
+                "The all-reduce answered something impossible: not a maximum over the ranks' 0/1 flags "
+                "(unscale_and_check), or not a count of ranks with inf/nan (check). The communicator did not run "
+                "the expected reduction; the step counts as an overflow."
             )
         if culprits is None:
             culprits = state.culprits(call.plan, verdict.epoch) if verdict.local else ()

@@ -298,8 +298,10 @@ class StateSet:
         """Every state, the default one first when no array has placed one yet."""
         return list(self.states.values()) if self.states else [self.default]
 
-    def place(self, backend: types.ModuleType | None, device: int, current: Snapshot, step_open: bool) -> State:
-        """Return the state for arrays of ``backend`` on ``device``, placing one there from ``current`` if none is.
+    def place(
+        self, backend: types.ModuleType | None, device: int, current: Callable[[], Snapshot], step_open: bool
+    ) -> State:
+        """Return the state for arrays of ``backend`` on ``device``, placing one there from ``current()`` if none is.
 
         ``backend`` None (a call without arrays) takes the first state.
 
@@ -331,10 +333,10 @@ class StateSet:
             )
         if device < 0:
             state = self.default
-            state.restore(self.config, *current)
+            state.restore(self.config, *current())
         else:
             backend.refuse_capture("the scaler's state is first placed on the GPU")
-            state = backend.DeviceState(device, self.config, *current)
+            state = backend.DeviceState(device, self.config, *current())
             if step_open:
                 state.begin_step()
         self._backend = backend

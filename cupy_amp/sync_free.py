@@ -109,7 +109,7 @@ class SyncFreeGradScaler:
     def _place(self, backend: Any, device: int) -> State:
         """Return the state for arrays of ``backend`` on ``device`` (placing it there on first use)."""
         step_open = self._step.phase in (UNSCALED, INSPECTED)
-        return self._states.place(backend, device, Snapshot(*self._state.snapshot()[:4]), step_open)
+        return self._states.place(backend, device, lambda: Snapshot(*self._state.snapshot()[:4]), step_open)
 
     def _snapshot(self) -> tuple[ScalerState, bool, bool, int]:
         """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.

@@ -382,7 +382,7 @@ def print_table(info: dict[str, object], rows: list[Row]) -> None:
     print(
         f"{'workload':16} {'tensors':>7} {'copy TB/s':>9} {'floor us':>8} {'ours us':>8} {'frac':>5} "
         f"{'host us':>7} {'set host':>8} {'bare':>5} {'torch us':>8} {'frac':>5} {'x torch':>7} {'naive us':>9} "
-        f"{'step/k':>6} {'set step/k':>10} {'sync-free/k':>11}"
+        f"{'step/k':>6} {'set step/k':>10}"
     )
     for r in rows:
         print(
@@ -391,7 +391,7 @@ def print_table(info: dict[str, object], rows: list[Row]) -> None:
             f"{r.bare_launch_and_readback_overhead_us:>5.1f} "
             f"{cell(r.torch_kernel_us, 8)} {cell(r.torch_fraction, 5, '.3f')} {cell(r.speedup_vs_torch, 7, '.2f')} "
             f"{cell(r.naive_wall_us, 9)} {cell(r.step_over_kernel, 6, '.3f')} "
-            f"{cell(r.step_set_over_kernel, 10, '.3f')} {r.sync_free_over_kernel:>11.3f}"
+            f"{cell(r.step_set_over_kernel, 10, '.3f')}"
         )
 
 

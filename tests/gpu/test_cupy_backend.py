@@ -244,13 +244,17 @@ def test_negative_control_an_unordered_check_misses_the_late_inf() -> None:
     # them: the check runs first and misses the inf. So the test above can fail, and
     # passes only because launches follow the current stream.
     grads = cupy.ones(1 << 20, dtype=cupy.float32)
-    cupy.cuda.Device().synchronize()
     writer = cupy.cuda.Stream(non_blocking=True)
     reader = cupy.cuda.Stream(non_blocking=True)
+    scaler = GradScaler()
+    with reader:  # places the scaler's state (which waits for the device) before the late write
+        assert scaler.unscale_and_check([cupy.ones(4, cupy.float32)])
+        scaler.update()
+    cupy.cuda.Device().synchronize()
     with writer:
         write_inf_late(grads)
     with reader:
-        unordered_result = GradScaler().unscale_and_check([grads])
+        unordered_result = scaler.unscale_and_check([grads])
     cupy.cuda.Device().synchronize()
     assert unordered_result is True
     assert bool(cupy.isinf(grads[-1]))
