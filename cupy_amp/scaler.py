@@ -263,7 +263,7 @@ class GradScaler:
             return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
 
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
-            return self._read(state, call, unscale_call(call, state, ballot) if lane.counts else ())
+            return self._read(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
 
         def unscale() -> bool:
             ballot = Ballot(self._vote if lane.counts else None)
@@ -318,7 +318,7 @@ class GradScaler:
             return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
 
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
-            return self._read(state, call, check_call(call, state, ballot, limit))
+            return self._read(lane, state, call, check_call(call, state, ballot, limit))
 
         def check() -> GradientStats:
             _, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
@@ -327,14 +327,13 @@ class GradScaler:
         lane = self._lane
         return self._step.run(check)
 
-    def _read(self, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
+    def _read(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.
 
         Raises:
             CommunicatorError: The state counted an impossible all-reduce answer (the step is an overflow).
         """
         verdict = state.read()
-        lane = self._scaling if state in self._scaling.all() else self._guard
         lane.found(verdict.overflow, verdict.local)
         reported = self._bad_votes.get(id(state), 0)
         if verdict.bad_votes > reported:

@@ -21,6 +21,7 @@ from cupy_amp import (  # noqa: E402
     cupy_backend,
 )
 from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
+from cupy_amp.rule import ScalerState  # noqa: E402
 
 UINT = {np.dtype(np.float16): np.uint16, np.dtype(np.float32): np.uint32, np.dtype(np.float64): np.uint64}
 NAN_PAYLOADS = {
@@ -637,3 +638,31 @@ def test_flags_of_a_busy_second_device_are_read_after_its_kernels() -> None:
         scaler = GradScaler()
         assert scaler.unscale_and_check([first, second]) is False
         assert scaler.nonfinite_gradients() == [1]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_host_mirror_never_disagrees_with_the_device_state(seed: int) -> None:
+    # GradScaler answers scale_factor(), stats() and checkpoint() from its host mirror without waiting; the
+    # kernels read the scale from the device state. After every update() the two must be the same state.
+    rng = np.random.default_rng(seed)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=None, max_scale=2.0**14)
+    grads = [cupy.ones(64, cupy.float32), cupy.ones((8, 8), cupy.float16)]
+    for _ in range(80):
+        for grad in grads:
+            grad.fill(1.0)
+        if rng.random() < 0.3:
+            grads[int(rng.integers(2))][int(rng.integers(8))] = cupy.inf
+        if rng.random() < 0.5:
+            scaler.unscale_and_check(grads)
+        else:
+            scaler.check(grads, max_norm=1.0)
+        scaler.update()
+        (device_state,) = scaler._scaling.states.values()
+        state, overflow, local, _, bad_votes = device_state.snapshot()
+        stats = scaler.stats()
+        assert state == ScalerState(
+            stats.scale, stats.consecutive_good_steps, stats.hysteresis_tracker, stats.steps, stats.skipped_steps,
+            stats.growths, stats.backoffs, stats.remote_skipped_steps,
+        )  # fmt: skip
+        assert (overflow, local, bad_votes) == (scaler.had_overflow(), stats.last_overflow == "local", 0)
+    assert scaler.stats().skipped_steps > 0 and scaler.stats().growths > 0
