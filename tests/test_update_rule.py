@@ -456,3 +456,32 @@ def test_overflow_on_another_rank_only_counts_a_remote_skip() -> None:
         resumed, scale=512.0, good=0, hysteresis=0, steps=2, skipped=1, growths=0, backoffs=1, remote=1, last="remote"
     )
     assert resumed.checkpoint() == checkpoint
+
+
+def test_the_host_mirror_never_disagrees_with_the_state_the_arrays_use() -> None:
+    # GradScaler answers stats() and checkpoint() from its host mirror; scale_loss and unscale_and_check use
+    # the state where the arrays are (here the host's). After every update() the two are one state.
+    rng = np.random.default_rng(3)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=3, hysteresis=2, min_scale=None, max_scale=2.0**14)
+    for _ in range(60):
+        grads = [np.ones(8, np.float32), np.ones(4, np.float16)]
+        if rng.random() < 0.3:
+            grads[int(rng.integers(2))][0] = np.inf
+        scaler.scale_loss(np.ones((), np.float32))
+        if rng.random() < 0.5:
+            scaler.unscale_and_check(grads)
+        else:
+            scaler.check(grads, max_norm=1.0)
+        scaler.update()
+        state, overflow, local, _, _ = scaler._scaling.default.snapshot()
+        stats = scaler.stats()
+        assert (state.scale, state.consecutive_good_steps, state.hysteresis_tracker, state.steps) == (
+            stats.scale, stats.consecutive_good_steps, stats.hysteresis_tracker, stats.steps,
+        )  # fmt: skip
+        assert (state.skipped_steps, state.growths, state.backoffs) == (
+            stats.skipped_steps,
+            stats.growths,
+            stats.backoffs,
+        )
+        assert (overflow, local) == (scaler.had_overflow(), stats.last_overflow == "local")
+    assert scaler.stats().skipped_steps > 0 and scaler.stats().growths > 0
