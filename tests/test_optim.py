@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from fractions import Fraction
 from pathlib import Path
@@ -309,3 +310,63 @@ def test_a_state_with_a_bad_learning_rate_is_refused(lr: Any) -> None:
     with pytest.raises(CheckpointFieldError, match="'lr'"):
         opt.load_state_dict(state)
     assert opt.lr == 1e-3
+
+
+def ramp(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Return float32 values in [-4, 4) from integer arithmetic alone (the same on every NumPy and platform)."""
+    i = np.arange(int(np.prod(shape)), dtype=np.int64)
+    k = (i * 2654435761 + seed * 40503) % 65521
+    return ((k.astype(np.float32) - np.float32(32760)) * np.float32(2**-13)).reshape(shape)
+
+
+def state_digest(make: Any, dtype: Any) -> str:
+    """Step an optimizer 40 times (two of them skipped by a scaler) and return a SHA-256 of everything it holds."""
+    weights = [ramp(s, i).astype(dtype) for i, s in enumerate(SHAPES)]
+    opt = make(weights)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=5)
+    for step in range(40):
+        grads = [(ramp(s, 100 + 3 * step + i) * np.float32(2**10)).astype(dtype) for i, s in enumerate(SHAPES)]
+        if step in (7, 8):
+            grads[step % 3].reshape(-1)[step] = np.inf
+        opt.step(grads, scaler.check(grads))
+        scaler.update()
+    assert opt.step_count == 38
+    state = opt.state_dict()
+    digest = hashlib.sha256(repr(sorted(state["record"].items())).encode())
+    for name in sorted(state["buffers"]):
+        for data in state["buffers"][name]:
+            digest.update(b"-" if data is None else data)
+    for w in weights:
+        digest.update(w.tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "expected"),
+    [
+        (
+            lambda p: AdamW(p, lr=0.01, weight_decay=0.1),
+            np.float32,
+            "afff9047f848d6ef8ca3aaad89b0043538f18699567627b85a25a97d494dadf5",
+        ),
+        (
+            lambda p: AdamW(p, lr=0.01, betas=(0.5, 0.75)),
+            np.float16,
+            "8c93dd7ab6a64a520ed9c531027983c0b452d492eff020c8f6008803169c1ee7",
+        ),
+        (
+            lambda p: SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+            np.float32,
+            "84642f0ec35859f802024d99752e7cf00541eecdd8c61c5d22618fd8a5b7b383",
+        ),
+        (
+            lambda p: SGD(p, lr=0.05, momentum=0.5, dampening=0.25),
+            np.float16,
+            "160b0682bcad4ed29ccc56e9f0331bfa34f3c79f065f0093135063bf805bf034",
+        ),
+    ],
+    ids=["adamw-float32", "adamw-float16", "sgd-nesterov-float32", "sgd-dampening-float16"],
+)
+def test_the_updates_have_the_same_bits_on_every_supported_numpy(make: Any, dtype: Any, expected: str) -> None:
+    """The digests were taken with NumPy 2; CI runs this with NumPy 1.x too (uint64 + int was float64 there)."""
+    assert state_digest(make, dtype) == expected
