@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
+import re
+import zlib
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from helpers import assert_same_bits
@@ -307,7 +311,7 @@ def test_a_state_with_a_bad_learning_rate_is_refused(lr: Any) -> None:
     opt = AdamW(params(17))
     state = opt.state_dict()
     state["record"]["lr"] = lr
-    with pytest.raises(CheckpointFieldError, match="'lr'"):
+    with pytest.raises(CheckpointFieldError, match=r"Invalid 'record\.lr': expected"):
         opt.load_state_dict(state)
     assert opt.lr == 1e-3
 
@@ -370,3 +374,131 @@ def state_digest(make: Any, dtype: Any) -> str:
 def test_the_updates_have_the_same_bits_on_every_supported_numpy(make: Any, dtype: Any, expected: str) -> None:
     """The digests were taken with NumPy 2; CI runs this with NumPy 1.x too (uint64 + int was float64 there)."""
     assert state_digest(make, dtype) == expected
+
+
+def replayed(beta: float, steps: int) -> float:
+    """1.0 multiplied by ``beta`` ``steps`` times in float64: the power a state holds after that many updates."""
+    power = 1.0
+    for _ in range(steps):
+        power *= beta
+    return power
+
+
+def set_element(data: bytes, index: int, value: float) -> bytes:
+    values = np.frombuffer(data, dtype=np.float32).copy()
+    values[index] = value
+    return values.tobytes()
+
+
+def adamw_after(steps: int, beta1: float = 0.8) -> AdamW:
+    opt = AdamW(params(40, np.float16), lr=0.01, betas=(beta1, 0.9))
+    for seed in range(steps):
+        opt.step(params(41 + seed, np.float16))
+    return opt
+
+
+def sgd_after(steps: int) -> SGD:
+    opt = SGD(params(50, np.float16), lr=0.1, momentum=0.9)
+    for seed in range(steps):
+        opt.step(params(51 + seed, np.float16))
+    return opt
+
+
+def with_record(**fields: Any) -> Any:
+    return lambda state: state["record"].update(fields)
+
+
+def with_element(buffer: str, param: int, index: int, value: float) -> Any:
+    def change(state: dict[str, Any]) -> None:
+        state["buffers"][buffer][param] = set_element(state["buffers"][buffer][param], index, value)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("make", "change", "field"),
+    [
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 1, 7, -1.5), "buffers.exp_avg_sq[1]"),
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 1, 7, -0.0), "buffers.exp_avg_sq[1]"),
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 2, 0, np.inf), "buffers.exp_avg_sq[2]"),
+        (lambda: adamw_after(3), with_element("exp_avg", 0, 3, np.nan), "buffers.exp_avg[0]"),
+        (lambda: adamw_after(3), with_element("master", 2, 26, -np.inf), "buffers.master[2]"),
+        (lambda: adamw_after(0), with_element("exp_avg", 0, 0, 1e-30), "buffers.exp_avg[0]"),
+        (lambda: adamw_after(3), with_record(step=2**64 - 1), "record.step"),
+        (lambda: adamw_after(3), with_record(step=2**64), "record.step"),
+        (lambda: adamw_after(3), with_record(step=-1), "record.step"),
+        (lambda: adamw_after(3), with_record(step=4), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(step=0), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(beta1_power=math.nextafter(replayed(0.8, 3), 1)), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(beta2_power=math.nextafter(replayed(0.9, 3), 0)), "record.beta2_power"),
+        (lambda: adamw_after(0), with_record(beta2_power=0.9), "record.beta2_power"),
+        (lambda: adamw_after(3, beta1=0.0), with_record(beta1_power=-0.0), "record.beta1_power"),
+        (lambda: sgd_after(2), with_element("momentum_buffer", 0, 5, np.nan), "buffers.momentum_buffer[0]"),
+        (lambda: sgd_after(2), with_element("master", 1, 5, np.inf), "buffers.master[1]"),
+        (lambda: sgd_after(2), with_record(step=2**64 - 1), "record.step"),
+        (lambda: sgd_after(0), with_element("momentum_buffer", 2, 1, 2.0), "buffers.momentum_buffer[2]"),
+    ],
+    ids=[
+        "negative-second-moment",
+        "negative-zero-second-moment",
+        "infinite-second-moment",
+        "nan-first-moment",
+        "infinite-master",
+        "a-moment-before-the-first-step",
+        "step-that-would-wrap",
+        "step-beyond-uint64",
+        "negative-step",
+        "one-step-more-than-the-powers",
+        "step-0-with-powers-of-3",
+        "beta1-power-one-ulp-off",
+        "beta2-power-one-ulp-off",
+        "powers-before-the-first-step",
+        "negative-zero-power",
+        "sgd-nan-momentum",
+        "sgd-infinite-master",
+        "sgd-step-that-would-wrap",
+        "sgd-momentum-before-the-first-step",
+    ],
+)
+def test_a_state_no_step_could_reach_is_refused_by_field_and_changes_nothing(
+    make: Any, change: Any, field: str
+) -> None:
+    opt = make()
+    state = opt.state_dict()
+    weights = [p.copy() for p in opt.params]
+    change(state)
+    with pytest.raises(CheckpointFieldError, match=rf"^Invalid '{re.escape(field)}': expected .+, got .+\.$"):
+        opt.load_state_dict(state)
+    assert opt.state_dict() == make().state_dict()  # the same as an optimizer that never saw the state
+    for p, w in zip(opt.params, weights):
+        assert_same_bits(p, w)
+
+
+def test_a_state_file_no_step_could_reach_is_refused(tmp_path: Path) -> None:
+    opt = adamw_after(2)
+    state = opt.state_dict()
+    state["record"]["step"] = 3  # the powers are those of two steps
+    body = msgpack.packb(state, use_bin_type=True, use_single_float=False)
+    (tmp_path / "state").write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
+    with pytest.raises(
+        CheckpointFieldError, match=re.escape(f"Invalid 'record.beta1_power': expected {replayed(0.8, 3)!r} ")
+    ):
+        opt.load(tmp_path / "state")
+    assert opt.step_count == 2
+
+
+def test_states_the_steps_do_reach_load_including_powers_past_their_last_change() -> None:
+    """The powers stop changing once beta**t is tiny (subnormal or 0): any later step count holds those values."""
+    opt = AdamW(params(60), betas=(0.5, 0.75))
+    state = opt.state_dict()
+    state["record"].update(step=2**64 - 2, beta1_power=replayed(0.5, 1100), beta2_power=replayed(0.75, 2700))
+    assert replayed(0.75, 2700) == replayed(0.75, 2701) > 0.0  # a subnormal that 0.75 no longer changes
+    opt.load_state_dict(state)
+    assert opt.step_count == 2**64 - 2
+    for steps in (1, 2, 1000):
+        fresh = adamw_after(0)
+        state = fresh.state_dict()
+        state["record"].update(step=steps, beta1_power=replayed(0.8, steps), beta2_power=replayed(0.9, steps))
+        state["buffers"]["exp_avg_sq"][0] = set_element(state["buffers"]["exp_avg_sq"][0], 0, 3.0)
+        fresh.load_state_dict(state)
+        assert fresh.step_count == steps
