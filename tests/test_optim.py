@@ -6,6 +6,7 @@ import hashlib
 import itertools
 import math
 import re
+import threading
 import zlib
 from fractions import Fraction
 from pathlib import Path
@@ -502,3 +503,20 @@ def test_states_the_steps_do_reach_load_including_powers_past_their_last_change(
         state["buffers"]["exp_avg_sq"][0] = set_element(state["buffers"]["exp_avg_sq"][0], 0, 3.0)
         fresh.load_state_dict(state)
         assert fresh.step_count == steps
+
+
+def test_steps_from_several_threads_take_turns() -> None:
+    """Two threads stepping one optimizer: every step applies whole, as the same steps made one after another."""
+    weights, expected = params(70, np.float16), params(70, np.float16)
+    grads = params(71, np.float16)
+    opt, sequential = AdamW(weights, lr=0.01), AdamW(expected, lr=0.01)
+    for _ in range(60):
+        sequential.step(grads)
+    threads = [threading.Thread(target=lambda: [opt.step(grads) for _ in range(30)]) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert opt.step_count == 60 and opt.state_dict() == sequential.state_dict()
+    for w, e in zip(weights, expected):
+        assert_same_bits(w, e)
