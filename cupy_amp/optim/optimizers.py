@@ -431,7 +431,6 @@ class _FusedOptimizer:
             CheckpointFieldError: The first field that could not be (named as ``record.<name>`` or
                 ``buffers.<name>[<index>]``), with what was expected and what was given.
         """
-
         keys = {"format", "version", "kind", "record", "buffers"}
         if not isinstance(state, dict) or set(state) != keys:
             got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
