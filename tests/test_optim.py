@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import math
+import re
+import threading
+import zlib
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from helpers import assert_same_bits
@@ -306,6 +312,211 @@ def test_a_state_with_a_bad_learning_rate_is_refused(lr: Any) -> None:
     opt = AdamW(params(17))
     state = opt.state_dict()
     state["record"]["lr"] = lr
-    with pytest.raises(CheckpointFieldError, match="'lr'"):
+    with pytest.raises(CheckpointFieldError, match=r"Invalid 'record\.lr': expected"):
         opt.load_state_dict(state)
     assert opt.lr == 1e-3
+
+
+def ramp(shape: tuple[int, ...], seed: int) -> np.ndarray:
+    """Return float32 values in [-4, 4) from integer arithmetic alone (the same on every NumPy and platform)."""
+    i = np.arange(int(np.prod(shape)), dtype=np.int64)
+    k = (i * 2654435761 + seed * 40503) % 65521
+    return ((k.astype(np.float32) - np.float32(32760)) * np.float32(2**-13)).reshape(shape)
+
+
+def state_digest(make: Any, dtype: Any) -> str:
+    """Step an optimizer 40 times (two of them skipped by a scaler) and return a SHA-256 of everything it holds."""
+    weights = [ramp(s, i).astype(dtype) for i, s in enumerate(SHAPES)]
+    opt = make(weights)
+    scaler = GradScaler(init_scale=2.0**10, growth_interval=5)
+    for step in range(40):
+        grads = [(ramp(s, 100 + 3 * step + i) * np.float32(2**10)).astype(dtype) for i, s in enumerate(SHAPES)]
+        if step in (7, 8):
+            grads[step % 3].reshape(-1)[step] = np.inf
+        opt.step(grads, scaler.check(grads))
+        scaler.update()
+    assert opt.step_count == 38
+    state = opt.state_dict()
+    digest = hashlib.sha256(repr(sorted(state["record"].items())).encode())
+    for name in sorted(state["buffers"]):
+        for data in state["buffers"][name]:
+            digest.update(b"-" if data is None else data)
+    for w in weights:
+        digest.update(w.tobytes())
+    return digest.hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("make", "dtype", "expected"),
+    [
+        (
+            lambda p: AdamW(p, lr=0.01, weight_decay=0.1),
+            np.float32,
+            "afff9047f848d6ef8ca3aaad89b0043538f18699567627b85a25a97d494dadf5",
+        ),
+        (
+            lambda p: AdamW(p, lr=0.01, betas=(0.5, 0.75)),
+            np.float16,
+            "8c93dd7ab6a64a520ed9c531027983c0b452d492eff020c8f6008803169c1ee7",
+        ),
+        (
+            lambda p: SGD(p, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+            np.float32,
+            "84642f0ec35859f802024d99752e7cf00541eecdd8c61c5d22618fd8a5b7b383",
+        ),
+        (
+            lambda p: SGD(p, lr=0.05, momentum=0.5, dampening=0.25),
+            np.float16,
+            "160b0682bcad4ed29ccc56e9f0331bfa34f3c79f065f0093135063bf805bf034",
+        ),
+    ],
+    ids=["adamw-float32", "adamw-float16", "sgd-nesterov-float32", "sgd-dampening-float16"],
+)
+def test_the_updates_have_the_same_bits_on_every_supported_numpy(make: Any, dtype: Any, expected: str) -> None:
+    """The digests were taken with NumPy 2; CI runs this with NumPy 1.x too (uint64 + int was float64 there)."""
+    assert state_digest(make, dtype) == expected
+
+
+def replayed(beta: float, steps: int) -> float:
+    """1.0 multiplied by ``beta`` ``steps`` times in float64: the power a state holds after that many updates."""
+    power = 1.0
+    for _ in range(steps):
+        power *= beta
+    return power
+
+
+def set_element(data: bytes, index: int, value: float) -> bytes:
+    values = np.frombuffer(data, dtype=np.float32).copy()
+    values[index] = value
+    return values.tobytes()
+
+
+def adamw_after(steps: int, beta1: float = 0.8) -> AdamW:
+    opt = AdamW(params(40, np.float16), lr=0.01, betas=(beta1, 0.9))
+    for seed in range(steps):
+        opt.step(params(41 + seed, np.float16))
+    return opt
+
+
+def sgd_after(steps: int) -> SGD:
+    opt = SGD(params(50, np.float16), lr=0.1, momentum=0.9)
+    for seed in range(steps):
+        opt.step(params(51 + seed, np.float16))
+    return opt
+
+
+def with_record(**fields: Any) -> Any:
+    return lambda state: state["record"].update(fields)
+
+
+def with_element(buffer: str, param: int, index: int, value: float) -> Any:
+    def change(state: dict[str, Any]) -> None:
+        state["buffers"][buffer][param] = set_element(state["buffers"][buffer][param], index, value)
+
+    return change
+
+
+@pytest.mark.parametrize(
+    ("make", "change", "field"),
+    [
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 1, 7, -1.5), "buffers.exp_avg_sq[1]"),
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 1, 7, -0.0), "buffers.exp_avg_sq[1]"),
+        (lambda: adamw_after(3), with_element("exp_avg_sq", 2, 0, np.inf), "buffers.exp_avg_sq[2]"),
+        (lambda: adamw_after(3), with_element("exp_avg", 0, 3, np.nan), "buffers.exp_avg[0]"),
+        (lambda: adamw_after(3), with_element("master", 2, 26, -np.inf), "buffers.master[2]"),
+        (lambda: adamw_after(0), with_element("exp_avg", 0, 0, 1e-30), "buffers.exp_avg[0]"),
+        (lambda: adamw_after(3), with_record(step=2**64 - 1), "record.step"),
+        (lambda: adamw_after(3), with_record(step=2**64), "record.step"),
+        (lambda: adamw_after(3), with_record(step=-1), "record.step"),
+        (lambda: adamw_after(3), with_record(step=4), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(step=0), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(beta1_power=math.nextafter(replayed(0.8, 3), 1)), "record.beta1_power"),
+        (lambda: adamw_after(3), with_record(beta2_power=math.nextafter(replayed(0.9, 3), 0)), "record.beta2_power"),
+        (lambda: adamw_after(0), with_record(beta2_power=0.9), "record.beta2_power"),
+        (lambda: adamw_after(3, beta1=0.0), with_record(beta1_power=-0.0), "record.beta1_power"),
+        (lambda: sgd_after(2), with_element("momentum_buffer", 0, 5, np.nan), "buffers.momentum_buffer[0]"),
+        (lambda: sgd_after(2), with_element("master", 1, 5, np.inf), "buffers.master[1]"),
+        (lambda: sgd_after(2), with_record(step=2**64 - 1), "record.step"),
+        (lambda: sgd_after(0), with_element("momentum_buffer", 2, 1, 2.0), "buffers.momentum_buffer[2]"),
+    ],
+    ids=[
+        "negative-second-moment",
+        "negative-zero-second-moment",
+        "infinite-second-moment",
+        "nan-first-moment",
+        "infinite-master",
+        "a-moment-before-the-first-step",
+        "step-that-would-wrap",
+        "step-beyond-uint64",
+        "negative-step",
+        "one-step-more-than-the-powers",
+        "step-0-with-powers-of-3",
+        "beta1-power-one-ulp-off",
+        "beta2-power-one-ulp-off",
+        "powers-before-the-first-step",
+        "negative-zero-power",
+        "sgd-nan-momentum",
+        "sgd-infinite-master",
+        "sgd-step-that-would-wrap",
+        "sgd-momentum-before-the-first-step",
+    ],
+)
+def test_a_state_no_step_could_reach_is_refused_by_field_and_changes_nothing(
+    make: Any, change: Any, field: str
+) -> None:
+    opt = make()
+    state = opt.state_dict()
+    weights = [p.copy() for p in opt.params]
+    change(state)
+    with pytest.raises(CheckpointFieldError, match=rf"^Invalid '{re.escape(field)}': expected .+, got .+\.$"):
+        opt.load_state_dict(state)
+    assert opt.state_dict() == make().state_dict()  # the same as an optimizer that never saw the state
+    for p, w in zip(opt.params, weights):
+        assert_same_bits(p, w)
+
+
+def test_a_state_file_no_step_could_reach_is_refused(tmp_path: Path) -> None:
+    opt = adamw_after(2)
+    state = opt.state_dict()
+    state["record"]["step"] = 3  # the powers are those of two steps
+    body = msgpack.packb(state, use_bin_type=True, use_single_float=False)
+    (tmp_path / "state").write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
+    with pytest.raises(
+        CheckpointFieldError, match=re.escape(f"Invalid 'record.beta1_power': expected {replayed(0.8, 3)!r} ")
+    ):
+        opt.load(tmp_path / "state")
+    assert opt.step_count == 2
+
+
+def test_states_the_steps_do_reach_load_including_powers_past_their_last_change() -> None:
+    """The powers stop changing once beta**t is tiny (subnormal or 0): any later step count holds those values."""
+    opt = AdamW(params(60), betas=(0.5, 0.75))
+    state = opt.state_dict()
+    state["record"].update(step=2**64 - 2, beta1_power=replayed(0.5, 1100), beta2_power=replayed(0.75, 2700))
+    assert replayed(0.75, 2700) == replayed(0.75, 2701) > 0.0  # a subnormal that 0.75 no longer changes
+    opt.load_state_dict(state)
+    assert opt.step_count == 2**64 - 2
+    for steps in (1, 2, 1000):
+        fresh = adamw_after(0)
+        state = fresh.state_dict()
+        state["record"].update(step=steps, beta1_power=replayed(0.8, steps), beta2_power=replayed(0.9, steps))
+        state["buffers"]["exp_avg_sq"][0] = set_element(state["buffers"]["exp_avg_sq"][0], 0, 3.0)
+        fresh.load_state_dict(state)
+        assert fresh.step_count == steps
+
+
+def test_steps_from_several_threads_take_turns() -> None:
+    """Two threads stepping one optimizer: every step applies whole, as the same steps made one after another."""
+    weights, expected = params(70, np.float16), params(70, np.float16)
+    grads = params(71, np.float16)
+    opt, sequential = AdamW(weights, lr=0.01), AdamW(expected, lr=0.01)
+    for _ in range(60):
+        sequential.step(grads)
+    threads = [threading.Thread(target=lambda: [opt.step(grads) for _ in range(30)]) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert opt.step_count == 60 and opt.state_dict() == sequential.state_dict()
+    for w, e in zip(weights, expected):
+        assert_same_bits(w, e)

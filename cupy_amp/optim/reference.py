@@ -23,6 +23,7 @@ from cupy_amp.kernel_interface import ADAMW_STATE, SGD_STATE
 __all__ = ["ADAMW_STATE", "SGD_STATE", "adamw_update", "begin_adamw", "begin_sgd", "sgd_update"]
 
 _f32 = np.float32
+_ONE = np.uint64(1)  # the step counter's increment: uint64 with uint64 is uint64 on every NumPy
 
 
 def fma32(a: Any, b: Any, c: Any) -> np.ndarray:
@@ -52,7 +53,7 @@ def begin_adamw(record: np.ndarray, skip: bool, factor: np.float32) -> None:
     """Open a step on an AdamW record (a 0-d :data:`ADAMW_STATE` array), as ``cupy_amp_adamw_begin`` does."""
     if not _begin(record, skip, factor):
         return
-    record["step"] += 1
+    record["step"] = record["step"] + _ONE  # a NumPy 1.x uint64 += int would be float64
     lr, beta1, beta2 = float(record["lr"]), float(record["beta1"]), float(record["beta2"])
     record["beta1_power"] = float(record["beta1_power"]) * beta1
     record["beta2_power"] = float(record["beta2_power"]) * beta2
@@ -69,8 +70,8 @@ def begin_sgd(record: np.ndarray, skip: bool, factor: np.float32) -> None:
     """Open a step on an SGD record (a 0-d :data:`SGD_STATE` array), as ``cupy_amp_sgd_begin`` does."""
     if not _begin(record, skip, factor):
         return
-    record["first"] = record["step"] == 0
-    record["step"] += 1
+    record["first"] = record["step"] == np.uint64(0)
+    record["step"] = record["step"] + _ONE
     record["neg_lr"] = _f32(-float(record["lr"]))
     record["momentum_f"] = _f32(record["momentum"])
     record["one_minus_dampening"] = _f32(1.0 - float(record["dampening"]))
