@@ -64,8 +64,6 @@ LAYOUT_FIXED = True
 _TABLES_KEPT = 16
 _FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
-_EPOCH_WORD = STATE.fields["epoch"][1] // 8  # type: ignore[index]
-_BAD_VOTES_WORD = STATE.fields["bad_votes"][1] // 8  # type: ignore[index]
 
 
 def as_array(obj: Any) -> Any | None:
@@ -377,8 +375,6 @@ class DeviceState:
         # Where read() copies the State: pinned, so the copy is one DMA and the wait is the stream's.
         self._pinned = cupy.cuda.alloc_pinned_memory(STATE.itemsize)
         self._host = np.frombuffer(self._pinned, dtype=STATE, count=1)
-        self._host_flags = self._host.view(np.uint8)[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)  # found, agreed
-        self._host_words = self._host.view(np.uint64)  # the 64-bit fields, epoch and bad_votes among them
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
         self.stats = DeviceStats(device, self.finite)
@@ -424,11 +420,10 @@ class DeviceState:
                 stream.ptr,
             )  # fmt: skip
             stream.synchronize()
-        found, agreed = self._host_flags.tolist()
-        record = self._host[0]
-        return Verdict(
-            found != 0 or agreed != 0, found != 0, int(record["epoch"]) & 0xFFFFFFFF, int(record["bad_votes"])
-        )
+        (record,) = self._host
+        found = record["found"] != 0
+        overflow = bool(found or record["agreed"] != 0)
+        return Verdict(overflow, bool(found), int(record["epoch"]) & 0xFFFFFFFF, int(record["bad_votes"]))
 
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
         """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad votes).
