@@ -454,19 +454,25 @@ class StepClaims:
     def __len__(self) -> int:
         return len(self._calls)
 
-    def claim(self, call: Call) -> None:
-        """Record ``call``'s memory for this step.
+    def with_call(self, call: Call) -> StepClaims:
+        """Return these claims and ``call``'s memory, as new claims (these are left as they are).
+
+        The step swaps the result in with one assignment, so an interrupt while
+        indexing leaves the claims it had, whole.
 
         Raises:
             DuplicateGradientError: An array of ``call`` shares memory with one an
-                earlier call of this step unscaled; nothing is recorded then.
+                earlier call of this step unscaled.
         """
+        claims = StepClaims()
+        claims._starts, claims._blocks = list(self._starts), list(self._blocks)  # indexing edits these lists only
         if self._calls:
             if len(self._calls) == 1:
-                self._index(self._calls[0], 0)
-            self._check(call)
-            self._index(call, len(self._calls))
-        self._calls.append(call)
+                claims._index(self._calls[0], 0)
+            claims._check(call)
+            claims._index(call, len(self._calls))
+        claims._calls = [*self._calls, call]
+        return claims
 
     def _check(self, call: Call) -> None:
         for label, footprint in zip(call.labels, call.footprints):

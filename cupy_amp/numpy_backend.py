@@ -99,8 +99,8 @@ class HostState:
         return self._state, not bool(self._finite), self._found, self._epoch, 0
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
-        self._config, self._state, self._found, self._epoch = config, state, local, epoch
         self._finite[()] = not overflow
+        self._config, self._state, self._found, self._epoch, self._updated = config, state, local, epoch, -1
 
     def scale_loss(self, loss: np.ndarray) -> None:
         scale_loss(loss, np.float32(self._state.scale))
@@ -186,7 +186,10 @@ class HostState:
         self.stats.record["skip"] = 1
 
     def update(self) -> None:
-        self._state = next_state(self._config, self._state, not bool(self._finite), self._found)
+        """Apply the rule once per step: a retry after an interrupted ``update()`` changes nothing more."""
+        if self._updated != self._epoch:
+            after = next_state(self._config, self._state, not bool(self._finite), self._found)
+            self._state, self._updated = after, self._epoch
 
     def follow(self) -> None:
         """Nothing to order on the host."""

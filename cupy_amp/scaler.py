@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import contextlib
+from collections.abc import Hashable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
@@ -80,6 +81,7 @@ class _Mirror(NamedTuple):
     config: ScalerConfig
     state: ScalerState
     enabled: bool
+    step: int = 0  # the step (Step.number) whose update() made this state
 
 
 # A disabled scaler's guard: scale 1 that never moves, and steps that count for nothing.
@@ -361,10 +363,11 @@ class GradScaler:
             if lane.counts:  # disabled, update() only ends the step
                 self._step.require_gradients()
                 mirror = self._mirror
-                overflow, local = lane.verdict
-                state = next_state(mirror.config, mirror.state, overflow, local)
-                lane.update(state)
-                self._mirror = mirror._replace(state=state)
+                if mirror.step != self._step.number:  # not applied yet (a retry after an interrupt may find it was)
+                    state = next_state(mirror.config, mirror.state, *lane.verdict)
+                    with self._states_follow_the_mirror(lane):
+                        lane.update(state)
+                        self._mirror = mirror._replace(state=state, step=self._step.number)
             self._step.close()
 
         self._step.run(update)
@@ -442,14 +445,29 @@ class GradScaler:
 
         def load() -> None:
             self._step.require_idle("load_checkpoint() cannot replace the state")
-            mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled)
-            self._scaling.restore(
-                mirror.config, mirror.state, checkpoint.found_overflow, checkpoint.found_overflow_local
-            )
-            self._mirror = mirror
-            self._step.records = ()
+            mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled, self._step.number)
+            with self._states_follow_the_mirror(self._scaling):
+                overflow, local = checkpoint.found_overflow, checkpoint.found_overflow_local
+                self._scaling.restore(mirror.config, mirror.state, overflow, local)
+                self._mirror, self._step.records = mirror, ()
 
         self._step.run(load)
+
+    @contextlib.contextmanager
+    def _states_follow_the_mirror(self, lane: StateSet) -> Iterator[None]:
+        """Run a change of the states and the mirror; if it fails part way, set the states from the mirror.
+
+        The mirror changes in one assignment, last: after an interrupt the
+        states hold what the mirror says (the old state, or the new one if the
+        mirror was replaced), with the step's verdict as it was.
+        """
+        before, verdict = self._mirror, lane.verdict
+        try:
+            yield
+        except BaseException:
+            mirror = self._mirror  # replaced last: if it was, the states were already changed whole
+            lane.restore(mirror.config, mirror.state, *(verdict if mirror is before else lane.verdict))
+            raise
 
     def __repr__(self) -> str:
         mirror = self._mirror

@@ -69,11 +69,15 @@ class Record(NamedTuple):
 
 
 class Ballot:
-    """One call's part in the collective: joined at most once, and exactly once when the call fails.
+    """One call's part in the collective: the call's communicator, joined at most once.
 
-    The join is one assignment made when the collective returns: a call
-    interrupted before it never joined, and one interrupted after it never
-    joins again. A collective that raises took no part (NCCL's contract).
+    Every collective of a call goes through the ballot, which stands for the
+    communicator (an :class:`~cupy_amp.distributed.OverflowVote` with
+    ``reduce_sum``). ``joined`` is stored in the same statement in which the
+    communicator returns, so an interrupt anywhere in the code around it (the
+    state's launch, the host's reading of the answer) can neither hide a join
+    that happened nor let the call join again. A communicator that raises took
+    no part (NCCL's contract).
     """
 
     __slots__ = ("joined", "vote")
@@ -82,28 +86,38 @@ class Ballot:
         self.vote = vote
         self.joined = vote is None  # without a communicator there is nothing to join
 
-    def join(self, collective: Callable[[OverflowVote], object]) -> None:
-        """Run ``collective`` with the vote (only when there is one)."""
-        if self.vote is not None:
-            # One statement: the flag is stored as the collective returns, with no line in between.
-            self.joined = (collective(self.vote), True)[1]
+    def _communicator(self) -> Any:
+        if self.joined or self.vote is None:
+            raise ScalerProtocolError("A gradient call tried to join a second collective")  # an internal rule
+        return self.vote
 
-    def join_after_failure(
-        self, error: BaseException, collective: Callable[[OverflowVote, BaseException], None]
-    ) -> None:
+    def reduce_max(self, flags: Any, stream: Any) -> None:
+        vote = self._communicator()
+        self.joined = (vote.reduce_max(flags, stream), True)[1]
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        vote = self._communicator()
+        self.joined = (vote.reduce_sum(values, stream), True)[1]
+
+    def host_vote(self, local_overflow: bool) -> bool:
+        vote = self._communicator()
+        answer, self.joined = vote.host_vote(local_overflow), True
+        return answer  # type: ignore[no-any-return]
+
+    def join_after_failure(self, error: BaseException, collective: Callable[[Any, BaseException], None]) -> None:
         """Join as an overflowed rank if this call has not joined yet, so the other ranks do not hang."""
-        if not self.joined and self.vote is not None:
-            self.joined = True
-            collective(self.vote, error)
+        if not self.joined:
+            collective(self, error)
 
 
 class Step:
     """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
 
-    __slots__ = ("_lock", "_owner", "claims", "phase", "records")
+    __slots__ = ("_lock", "_owner", "claims", "number", "phase", "records")
 
     def __init__(self) -> None:
         self.phase = IDLE
+        self.number = 0  # counts the steps opened, so that an update() retried after an interrupt knows its step
         self.claims = StepClaims()
         self.records: tuple[Record, ...] = ()  # replaced, never changed in place: readers need no lock
         self._lock = threading.Lock()
@@ -204,7 +218,7 @@ class Step:
             call, state = parse()
             claims = self.claims if self.phase == UNSCALED else StepClaims()
             if phase == UNSCALED and states.counts:  # a disabled scaler's guard touches nothing: nothing to claim
-                claims.claim(call)
+                claims = claims.with_call(call)  # new claims: committed below, where a failure counts
         except ConfigError:
             raise
         except BaseException as error:
@@ -216,29 +230,39 @@ class Step:
             finally:
                 ballot.join_after_failure(error, join_after_failure)
             raise
+        culprits: tuple[int, ...] | None = ()
         try:
             if self.phase != phase:
                 self._open(phase, states, claims)
+            elif states.counts:
+                self.claims = claims
             culprits = run(call, state, ballot)
+            if states.counts:  # the call's commit: an interrupt from here on finds its record complete
+                self.records = (*self.records, Record(call.labels, call.plan, state, culprits))
         except BaseException as error:
             try:
-                self._fail(phase, states, call, state)
+                self._fail(phase, states, call, state, culprits)
             finally:
                 ballot.join_after_failure(error, join_after_failure)
             raise
-        if states.counts:
-            self.records = (*self.records, Record(call.labels, call.plan, state, culprits))
         return call, state
 
     def _open(self, phase: str, states: StateSet, claims: StepClaims) -> None:
         """Open the gradient part of the step: forget the last step's verdict; the phase changes last."""
+        self.number += 1  # first: a step whose opening failed part way is still a new step
         states.begin()
         if states.counts:  # a disabled scaler's guard keeps the last step's records
-            self.records = ()
-            self.claims = claims
+            self.records, self.claims = (), claims
         self.phase = phase
 
-    def _fail(self, phase: str, states: StateSet, call: Call | None, state: State | None) -> None:
+    def _fail(
+        self,
+        phase: str,
+        states: StateSet,
+        call: Call | None,
+        state: State | None,
+        culprits: tuple[int, ...] | None = (),
+    ) -> None:
         """Count a failed call as an overflow of the step, opening the step if it was not.
 
         Each part is done even if one before it raises (a broken device): the
@@ -251,16 +275,17 @@ class Step:
             self.phase = phase
             try:
                 if states.counts:
-                    self.records = (*self.records, Record(call.labels if call else (), None, None, ()))
+                    record = Record(call.labels, call.plan, state, culprits) if call else Record((), None, None, ())
+                    self.records = (*self.records, record)
                 states.mark_overflow(state)
             finally:
                 if phase == INSPECTED:
                     states.skip_all()
 
     def close(self) -> None:
-        """End the step (after ``update()`` applied the rule)."""
-        self.claims = StepClaims()
-        self.phase = IDLE
+        """End the step (after ``update()`` applied the rule), in one assignment."""
+        empty = StepClaims()
+        self.claims, self.phase = empty, IDLE
 
     def culprit_labels(self, read: Callable[[Record], tuple[int, ...]]) -> list[Hashable]:
         """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
@@ -339,8 +364,7 @@ class StateSet:
             state = backend.DeviceState(device, self.config, *current())
             if step_open:
                 state.begin_step()
-        self._backend = backend
-        self.states = {**self.states, device: state}
+        self._backend, self.states = backend, {**self.states, device: state}  # one commit
         return state
 
     def begin(self) -> None:
@@ -401,7 +425,7 @@ def unscale_call(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | 
     """Queue the unscale of a claimed call, then its vote and the verdict's combination."""
     culprits = state.unscale(call) if call.backend is not None else ()
     if ballot.vote is not None:
-        ballot.join(state.vote)
+        state.vote(ballot)
         state.combine()
     return culprits
 
@@ -410,6 +434,6 @@ def check_call(call: Call, state: State, ballot: Ballot, max_norm: float) -> tup
     """Queue the statistics pass of a call, then (with a communicator) the all-reduce of its sums and the finish."""
     culprits = state.check(call, max_norm, ballot.vote is not None) if call.backend is not None else ()
     if ballot.vote is not None:
-        ballot.join(state.vote_sums)
+        state.vote_sums(ballot)
         state.finish_check(max_norm)
     return culprits

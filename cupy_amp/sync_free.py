@@ -309,11 +309,15 @@ class SyncFreeGradScaler:
 
         def load() -> None:
             self._step.require_idle("load_checkpoint() cannot replace the state")
-            self._bad_votes_reported = 0  # restore() clears the state's count
-            self._states.restore(
-                checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
-            )
-            self._step.records = ()
+            config, (state, overflow, local, _, _) = self.config, self._state.snapshot()
+            try:
+                self._states.restore(
+                    checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
+                )
+            except BaseException:  # a load that failed part way leaves the state it found
+                self._states.restore(config, state, overflow, local)
+                raise
+            self._bad_votes_reported, self._step.records = 0, ()  # restore() cleared the state's count
 
         self._step.run(load)
 

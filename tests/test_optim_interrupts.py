@@ -10,11 +10,7 @@ the old one or the new one; no lock is left held.
 
 from __future__ import annotations
 
-import functools
 import itertools
-import linecache
-import os
-import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -22,62 +18,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from interrupts import interrupted
 
-import cupy_amp
 from cupy_amp import GradScaler
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.optim import SGD, AdamW
 
-PACKAGE = os.path.realpath(os.path.dirname(cupy_amp.__file__)) + os.sep
 SHAPES = [(37, 5), (300,), (3, 3, 3)]
 TORN = "was interrupted"  # the refusal after a torn call names what was interrupted
 REENTRY = "same thread"
 
 Snapshot = tuple[list[bytes], dict[str, Any]]
-
-
-@functools.cache
-def _inside(filename: str) -> bool:
-    return os.path.realpath(filename).startswith(PACKAGE)
-
-
-def interrupted(call: Callable[[], object], k: int, action: Callable[[], None] | None = None) -> bool:
-    """Run ``call()``; at the k-th line it runs inside cupy_amp, run ``action`` or raise KeyboardInterrupt.
-
-    Returns whether that line was reached (False: the call ran through with fewer lines).
-    """
-    seen = 0
-    reached = False
-
-    def line(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal seen, reached
-        if event == "line" and linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip() not in (
-            "try:",
-            "else:",
-            "finally:",
-        ):
-            seen += 1
-            if seen == k:
-                reached = True
-                if action is None:
-                    raise KeyboardInterrupt  # a trace function that raises is removed: one interrupt per call
-                action()
-        return line
-
-    def calls(frame: Any, event: str, arg: Any) -> Any:
-        return line if _inside(frame.f_code.co_filename) else None
-
-    previous, errors = sys.gettrace(), np.geterr()
-    sys.settrace(calls)
-    try:
-        call()
-    except KeyboardInterrupt:
-        if not reached:
-            raise
-    finally:
-        sys.settrace(previous)
-        np.seterr(**errors)  # an interrupted `with np.errstate(...)` would leave its settings behind
-    return reached
 
 
 def make_params(dtype: Any, seed: int) -> list[np.ndarray]:

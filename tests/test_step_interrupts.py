@@ -1,0 +1,234 @@
+"""Both scalers interrupted at every line of one call: nothing divided twice, no lost or doubled step.
+
+For every k, a KeyboardInterrupt is raised at the k-th line that runs inside
+cupy_amp during one call (tests/interrupts.py), with and without a
+communicator (one rank of the in-process stand-in). Afterwards:
+
+- every gradient element was divided at most once, and a call that wrote is
+  refused if passed again in the step;
+- the step counts as an overflow unless the call's record was complete (then
+  its verdict is the true one);
+- a call joins at most one collective, and exactly one once its step opened;
+- a record that says "apply" holds the step's true statistics;
+- the update rule is applied exactly once per step, and GradScaler's host
+  mirror agrees with the state the arrays use;
+- the scaler keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from fake_comm import FakeVote, FakeWorld
+from interrupts import interrupted
+
+from cupy_amp import DuplicateGradientError, GradScaler, ScalerProtocolError, SyncFreeGradScaler
+from cupy_amp.step import IDLE, INSPECTED, UNSCALED
+
+FACES = [GradScaler, SyncFreeGradScaler]
+SCALE = 4.0
+CLEAN, ONCE = 8.0, 2.0  # a gradient element before and after one division by SCALE
+
+
+def new_scaler(face: type, voting: bool) -> tuple[Any, Callable[[], int]]:
+    """A scaler (growing after every clean step) and a count of the collectives it joined so far."""
+    world = FakeWorld(1)
+    comm = FakeVote(world, 0) if voting else None
+    scaler = face(init_scale=SCALE, growth_interval=1, max_scale=2.0**10, comm=comm)
+    return scaler, lambda: world.vote_count(0) + len(world.sums[0])
+
+
+def gradients(bad: bool) -> list[np.ndarray]:
+    grads = [np.full(3, CLEAN, np.float32) for _ in range(4)]
+    if bad:
+        grads[2][1] = np.inf
+    return grads
+
+
+def state_of(scaler: Any) -> Any:
+    """The host state the scaler's NumPy arrays use."""
+    return scaler._state if isinstance(scaler, SyncFreeGradScaler) else scaler._scaling.default
+
+
+def finish_step(scaler: Any) -> None:
+    """End the step if it is open (update() exactly once), then check the rule was applied once."""
+    if scaler._step.phase in (UNSCALED, INSPECTED):
+        overflow = bool(scaler.had_overflow())
+        scaler.update()
+        stats = scaler.stats()
+        assert stats.steps == 1
+        assert scaler.scale_factor() == (SCALE / 2 if overflow else SCALE * 2)
+    assert scaler._step.phase in (IDLE, "loss scaled")
+    if isinstance(scaler, GradScaler):  # the mirror and the state the arrays use are one state
+        assert state_of(scaler).snapshot()[0].scale == scaler.scale_factor()
+        assert state_of(scaler).snapshot()[0].steps == scaler.stats().steps
+
+
+def keeps_working(scaler: Any) -> None:
+    scale = scaler.scale_factor()
+    loss = np.ones((), np.float32)
+    scaler.scale_loss(loss)
+    assert float(loss) == scale
+    grads = [np.full(2, scale, np.float32)]
+    assert bool(scaler.unscale_and_check(grads))
+    assert grads[0].tolist() == [1.0, 1.0]
+    scaler.update()
+
+
+def sweep(attempt: Callable[[int], bool]) -> None:
+    """Run ``attempt(k)`` for k = 1, 2, ... until the call runs through without reaching line k."""
+    k = 1
+    while attempt(k):
+        k += 1
+    assert k > 10  # the sweep really went through the call's lines
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+@pytest.mark.parametrize("voting", [False, True], ids=["alone", "voting"])
+def test_unscale_and_check_interrupted_at_any_line(face: type, bad: bool, voting: bool) -> None:
+    def attempt(k: int) -> bool:
+        scaler, joins = new_scaler(face, voting)
+        scaler.scale_loss(np.ones((), np.float32))
+        grads = gradients(bad)
+        if not interrupted(lambda: scaler.unscale_and_check(grads), k):
+            return False
+        values = np.concatenate(grads)
+        finite = values[np.isfinite(values)]
+        assert set(finite.tolist()) <= {CLEAN, ONCE}, f"line {k}: a gradient divided twice"
+        wrote = bool((finite == ONCE).any())
+        opened = scaler._step.phase == UNSCALED
+        assert joins() <= 1, f"line {k}: joined two collectives"
+        if voting and (wrote or opened):
+            assert joins() == 1, f"line {k}: the call wrote (or opened the step) without joining"
+        if wrote:
+            assert opened
+            with pytest.raises(DuplicateGradientError):
+                scaler.unscale_and_check(grads)
+        if opened and not scaler.had_overflow():  # counted clean: only a complete call may be
+            assert not bad and (finite == ONCE).all(), f"line {k}: an unfinished call counted as clean"
+        if opened and bad and (finite == ONCE).all() and scaler.nonfinite_gradients():
+            assert scaler.nonfinite_gradients() == [2]
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+@pytest.mark.parametrize("voting", [False, True], ids=["alone", "voting"])
+def test_check_interrupted_at_any_line(face: type, bad: bool, voting: bool) -> None:
+    reference, _ = new_scaler(face, voting)
+    reference.scale_loss(np.ones((), np.float32))
+    expected = reference.check(gradients(bad), max_norm=1.0)
+    expected_norm = np.float32(expected.norm).tobytes()
+
+    def attempt(k: int) -> bool:
+        scaler, joins = new_scaler(face, voting)
+        scaler.scale_loss(np.ones((), np.float32))
+        grads = gradients(bad)
+        if not interrupted(lambda: scaler.check(grads, max_norm=1.0), k):
+            return False
+        assert all(np.array_equal(g, h) for g, h in zip(grads, gradients(bad))), "check() wrote a gradient"
+        opened = scaler._step.phase == INSPECTED
+        assert joins() <= 1, f"line {k}: joined two collectives"
+        if voting and opened:
+            assert joins() == 1, f"line {k}: the step opened without joining"
+        record = state_of(scaler).stats.record
+        if int(record["skip"]) == 0 and opened:  # a record that says "apply" is this step's, complete
+            assert not bad and np.float32(record["norm"]).tobytes() == expected_norm, f"line {k}"
+        if opened and not scaler.had_overflow():
+            assert int(record["skip"]) == 0 and not bad, f"line {k}: counted clean but says skip"
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+def test_update_interrupted_at_any_line_applies_the_rule_once(face: type, bad: bool) -> None:
+    def attempt(k: int) -> bool:
+        scaler, _ = new_scaler(face, False)
+        scaler.scale_loss(np.ones((), np.float32))
+        assert bool(scaler.unscale_and_check(gradients(bad))) is not bad
+        if not interrupted(scaler.update, k):
+            return False
+        if scaler._step.phase != IDLE:
+            scaler.update()  # the retry a user makes after an interrupted update()
+        else:
+            with pytest.raises(ScalerProtocolError):
+                scaler.update()
+        stats = scaler.stats()
+        assert (stats.steps, stats.skipped_steps) == (1, int(bad)), f"line {k}"
+        assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), f"line {k}: the rule applied twice"
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_scale_loss_interrupted_at_any_line(face: type) -> None:
+    def attempt(k: int) -> bool:
+        scaler, _ = new_scaler(face, False)
+        loss = np.ones((), np.float32)
+        if not interrupted(lambda: scaler.scale_loss(loss), k):
+            return False
+        assert float(loss) in (1.0, SCALE), f"line {k}"
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_load_checkpoint_interrupted_at_any_line_leaves_the_old_state_or_the_new(face: type) -> None:
+    donor = face(init_scale=2.0**6, growth_interval=3, hysteresis=2)
+    donor.scale_loss(np.ones((), np.float32))
+    donor.unscale_and_check([np.array([np.inf], np.float32)])
+    donor.update()
+    new = donor.checkpoint()
+
+    def attempt(k: int) -> bool:
+        scaler, _ = new_scaler(face, False)
+        old = scaler.checkpoint()
+        if not interrupted(lambda: scaler.load_checkpoint(new), k):
+            return False
+        assert scaler.checkpoint() in (old, new), f"line {k}: a mix of two checkpoints"
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_later_call_of_a_step_interrupted_at_any_line_keeps_the_earlier_claims(face: type) -> None:
+    def attempt(k: int) -> bool:
+        scaler, _ = new_scaler(face, False)
+        memory = np.full(100, CLEAN, np.float32)
+        scaler.scale_loss(np.ones((), np.float32))
+        for earlier in (memory[0:10], memory[40:50]):  # two calls already claimed their memory
+            assert bool(scaler.unscale_and_check([earlier]))
+        if not interrupted(lambda: scaler.unscale_and_check([memory[60:70], memory[20:30]]), k):
+            return False
+        for earlier in (memory[0:10], memory[40:50], memory[45:55]):
+            with pytest.raises(DuplicateGradientError):
+                scaler.unscale_and_check([earlier])
+        assert set(memory.tolist()) <= {CLEAN, ONCE}, f"line {k}: divided twice"
+        later = np.concatenate([memory[60:70], memory[20:30]])
+        if (later == ONCE).any() and not scaler.had_overflow():
+            assert (later == ONCE).all(), f"line {k}: an unfinished call counted as clean"
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
