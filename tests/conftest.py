@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import FACES, Face
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -73,3 +74,10 @@ def kernel_copy(tmp_path: Path) -> Path:
     copy = tmp_path / "kernels_copy"
     shutil.copytree(Path(__file__).resolve().parent.parent / "kernels", copy)
     return copy
+
+
+@pytest.fixture(params=FACES)
+def face(request: pytest.FixtureRequest) -> Face:
+    """Each scaler face in turn: GradScaler (a host bool per call) and SyncFreeGradScaler (a 0-d bool array)."""
+    face: Face = request.param
+    return face

@@ -1,13 +1,52 @@
-"""Helpers shared by the test modules: bit-level comparison and reading a demo run's saved arrays."""
+"""Helpers shared by the test modules: the two scaler faces, bit-level comparison, a demo run's saved arrays."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 
-__all__ = ["assert_same_bits", "bits", "capture", "saved_arrays"]
+from cupy_amp import GradScaler, SyncFreeGradScaler
+
+__all__ = ["FACES", "GRAD_SCALER", "SYNC_FREE", "Face", "assert_same_bits", "bits", "capture", "saved_arrays"]
+
+
+@dataclass(frozen=True)
+class Face:
+    """One of the two scalers over the step machine, built and read alike by the tests that both must pass."""
+
+    name: str
+    cls: type[GradScaler] | type[SyncFreeGradScaler]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Build a scaler of this face (the constructor arguments both faces share)."""
+        return self.cls(*args, **kwargs)
+
+    def ok(self, verdict: Any) -> bool:
+        """Return a gradient call's verdict as a bool, after asserting it has this face's own type.
+
+        GradScaler answers with a Python bool; the sync-free face (on the
+        NumPy path) with a 0-d bool NumPy array, which is read here at once:
+        it is the step's live flag, so a later call of the step can change it.
+        """
+        if self.cls is GradScaler:
+            assert type(verdict) is bool, f"GradScaler answered {type(verdict).__name__}, not a bool"
+            return verdict
+        assert type(verdict) is np.ndarray, f"SyncFreeGradScaler answered {type(verdict).__name__}, not an ndarray"
+        assert verdict.shape == () and verdict.dtype == np.bool_, (verdict.shape, verdict.dtype)
+        return bool(verdict)
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+GRAD_SCALER = Face("GradScaler", GradScaler)
+SYNC_FREE = Face("SyncFree", SyncFreeGradScaler)
+# For @pytest.mark.parametrize("face", FACES) where a fixture cannot be used (Hypothesis); else the `face` fixture.
+FACES = [pytest.param(GRAD_SCALER, id=GRAD_SCALER.name), pytest.param(SYNC_FREE, id=SYNC_FREE.name)]
 
 
 def bits(array: Any) -> np.ndarray:

@@ -2,7 +2,8 @@
 
 Ranks are threads with NumPy gradients voting through :mod:`fake_comm`; a rank
 that missed a vote would make the others fail on the barrier's timeout. The
-communicator's own failures and garbage answers are played by stand-ins.
+communicator's own failures and garbage answers are played by stand-ins. Every
+scaler test runs on both faces.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
+from helpers import Face
 
 from cupy_amp import (
     CommunicatorError,
     CupyAmpError,
     DuplicateGradientError,
     GradientTypeError,
-    GradScaler,
     numpy_backend,
 )
 from cupy_amp.distributed import device_answer
@@ -29,14 +30,14 @@ class DeviceLost(RuntimeError):
     pass
 
 
-def stats_tuple(scaler: GradScaler) -> tuple[Any, ...]:
+def stats_tuple(scaler: Any) -> tuple[Any, ...]:
     stats = scaler.stats()
     return stats.scale, stats.steps, stats.skipped_steps, stats.backoffs, stats.consecutive_good_steps
 
 
-def test_a_call_rejected_on_one_rank_skips_the_step_on_every_rank_alike() -> None:
+def test_a_call_rejected_on_one_rank_skips_the_step_on_every_rank_alike(face: Face) -> None:
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
-        scaler = GradScaler(init_scale=1024.0, comm=FakeVote(world, rank))
+        scaler = face(init_scale=1024.0, comm=FakeVote(world, rank))
         grads: list[Any] = [np.ones(2, np.float32)]
         if rank == 0:
             grads.append(np.ones(2, np.int32))  # a bug in this rank's training loop
@@ -44,7 +45,7 @@ def test_a_call_rejected_on_one_rank_skips_the_step_on_every_rank_alike() -> Non
                 scaler.unscale_and_check(grads)
             outcome = "rejected"
         else:
-            outcome = scaler.unscale_and_check(grads)
+            outcome = face.ok(scaler.unscale_and_check(grads))
         scaler.update()  # every rank ends the step, and backs off alike
         return outcome, scaler.had_overflow(), stats_tuple(scaler)
 
@@ -55,7 +56,9 @@ def test_a_call_rejected_on_one_rank_skips_the_step_on_every_rank_alike() -> Non
     assert [world.vote_count(rank) for rank in range(2)] == [1, 1]
 
 
-def test_a_failure_after_the_gradients_were_written_votes_overflow_once(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failure_after_the_gradients_were_written_votes_overflow_once(
+    face: Face, monkeypatch: pytest.MonkeyPatch
+) -> None:
     failing_rank = threading.local()
     real = numpy_backend._multiply
 
@@ -68,11 +71,11 @@ def test_a_failure_after_the_gradients_were_written_votes_overflow_once(monkeypa
     monkeypatch.setattr(numpy_backend, "_multiply", multiply)
 
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
-        scaler = GradScaler(init_scale=1024.0, comm=FakeVote(world, rank))
+        scaler = face(init_scale=1024.0, comm=FakeVote(world, rank))
         grads = [np.full(2, 2048.0, np.float32), np.full(2, 2048.0, np.float32)]
         failing_rank.fail_after_first = rank == 0
         try:
-            outcome: Any = scaler.unscale_and_check(grads)
+            outcome: Any = face.ok(scaler.unscale_and_check(grads))
         except DeviceLost:
             outcome = "failed"
             failing_rank.armed = failing_rank.fail_after_first = False
@@ -120,9 +123,9 @@ class AnsweringVote:
         return self.answer
 
 
-def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skipped() -> None:
+def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skipped(face: Face) -> None:
     vote = RaisingVote()
-    scaler = GradScaler(init_scale=4.0, comm=vote)
+    scaler = face(init_scale=4.0, comm=vote)
     grads = [np.full(2, 8.0, np.float32)]
     with pytest.raises(CommunicatorError, match="peer reset") as info:
         scaler.unscale_and_check(grads)
@@ -140,9 +143,9 @@ def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skip
 
 
 @pytest.mark.parametrize("answer", [1, 0, "yes", None, np.int32(0), 0.0, [False]])
-def test_an_answer_that_is_not_a_bool_is_a_communicator_error(answer: Any) -> None:
+def test_an_answer_that_is_not_a_bool_is_a_communicator_error(face: Face, answer: Any) -> None:
     vote = AnsweringVote(answer)
-    scaler = GradScaler(init_scale=4.0, comm=vote)
+    scaler = face(init_scale=4.0, comm=vote)
     with pytest.raises(CommunicatorError, match="expected a bool"):
         scaler.unscale_and_check([np.full(2, 8.0, np.float32)])
     assert vote.calls == 1
@@ -152,19 +155,19 @@ def test_an_answer_that_is_not_a_bool_is_a_communicator_error(answer: Any) -> No
 
 
 @pytest.mark.parametrize("answer", [False, np.bool_(False)])
-def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(answer: Any) -> None:
-    scaler = GradScaler(init_scale=4.0, comm=AnsweringVote(answer))  # the others say "all finite"
-    assert scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)}) is False
+def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face, answer: Any) -> None:
+    scaler = face(init_scale=4.0, comm=AnsweringVote(answer))  # the others say "all finite"
+    assert face.ok(scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)})) is False
     assert scaler.nonfinite_gradients() == ["w"]
     assert scaler.stats().last_overflow == "local"
     # Every call answers for the step so far: a clean call after the overflow still says "skip".
-    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is False
+    assert face.ok(scaler.unscale_and_check([np.ones(2, np.float32)])) is False
     assert scaler.nonfinite_gradients() == ["w"]
 
 
-def test_an_error_of_the_overflow_vote_does_not_hide_the_original_error() -> None:
+def test_an_error_of_the_overflow_vote_does_not_hide_the_original_error(face: Face) -> None:
     vote = RaisingVote()
-    scaler = GradScaler(init_scale=4.0, comm=vote)
+    scaler = face(init_scale=4.0, comm=vote)
     with pytest.raises(GradientTypeError, match="int32") as info:
         scaler.unscale_and_check([np.ones(2, np.int32)])
     assert isinstance(info.value, CupyAmpError)

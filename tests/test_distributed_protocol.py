@@ -1,9 +1,10 @@
-"""Several ranks agreeing on overflow: GradScaler(comm=...) with an in-process stand-in communicator.
+"""Several ranks agreeing on overflow: a scaler with ``comm=`` an in-process stand-in communicator.
 
 Each rank is a thread with its own scaler and NumPy gradients; the votes go
 through :mod:`fake_comm` (a barrier with a timeout, so a rank that skips a
 vote fails the test quickly instead of hanging it). A scripted run is compared
-step by step, every field, with the plain reference model of the update rule.
+step by step, every field, with the plain reference model of the update rule,
+on both faces; what a disabled scaler does with its votes is GradScaler's only.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
+from helpers import Face
 from reference_model import RefConfig, RefScaler
 
 from cupy_amp import (
@@ -27,6 +29,7 @@ from cupy_amp import (
     GradScaler,
     GradScalerCheckpoint,
     GradScalerStats,
+    SyncFreeGradScaler,
 )
 from cupy_amp.distributed import NcclVote, overflow_vote_for
 
@@ -147,7 +150,9 @@ LAYOUTS: list[tuple[Layout, ...]] = [
 ]
 
 
-def train(scaler: GradScaler, rank: int, calls: Sequence[CallGradients], steps: Sequence[Step]) -> list[StepRecord]:
+def train(
+    face: Face, scaler: Any, rank: int, calls: Sequence[CallGradients], steps: Sequence[Step]
+) -> list[StepRecord]:
     """Run ``steps`` on one rank: fill, unscale_and_check per call, update; record what the rank saw."""
     records = []
     for step in steps:
@@ -156,7 +161,7 @@ def train(scaler: GradScaler, rank: int, calls: Sequence[CallGradients], steps: 
         for poison, call in zip(step, calls, strict=True):
             mine = poison.get(rank, ())
             call.fill(scale, mine)
-            results.append(scaler.unscale_and_check(call.argument))
+            results.append(face.ok(scaler.unscale_and_check(call.argument)))
             call.assert_unscaled(mine)
         had_overflow, culprits = scaler.had_overflow(), tuple(scaler.nonfinite_gradients())
         scaler.update()
@@ -165,15 +170,15 @@ def train(scaler: GradScaler, rank: int, calls: Sequence[CallGradients], steps: 
 
 
 def run_scenario(
-    layouts: Sequence[Sequence[Layout]], script: Sequence[Step]
+    face: Face, layouts: Sequence[Sequence[Layout]], script: Sequence[Step]
 ) -> tuple[list[list[StepRecord]], FakeWorld, list[list[bytes]]]:
     """Train every rank through ``script``; return the records, the world (votes) and the final gradient bytes."""
     world = FakeWorld(len(layouts))
 
     def body(world: FakeWorld, rank: int) -> tuple[list[StepRecord], list[bytes]]:
-        scaler = GradScaler(comm=FakeVote(world, rank), **CONFIG)
+        scaler = face(comm=FakeVote(world, rank), **CONFIG)
         calls = [CallGradients(layout) for layout in layouts[rank]]
-        records = train(scaler, rank, calls, script)
+        records = train(face, scaler, rank, calls, script)
         return records, [array.tobytes() for call in calls for array in call.arrays.values()]
 
     outcome = run_ranks(world, body)
@@ -221,8 +226,8 @@ def assert_records(actual: list[list[StepRecord]], expected: list[list[StepRecor
         assert len({(record.results, record.had_overflow) for record in per_rank}) == 1, f"step {step}"
 
 
-def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
-    records, world, _ = run_scenario(LAYOUTS, SCRIPT)
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(face: Face) -> None:
+    records, world, _ = run_scenario(face, LAYOUTS, SCRIPT)
 
     assert_records(records, expected_records(LAYOUTS, SCRIPT))
     for rank in range(3):
@@ -250,10 +255,10 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank() -> None:
     [Layout("list"), Layout("list", ((0, None), (1, None))), Layout("dict"), Layout("set", ((0, None),))],
     ids=["empty-list", "list-of-None", "empty-dict", "empty-GradientSet"],
 )
-def test_a_rank_without_gradients_still_votes_and_follows(empty: Layout) -> None:
+def test_a_rank_without_gradients_still_votes_and_follows(face: Face, empty: Layout) -> None:
     layouts = [*LAYOUTS, (empty,)]
 
-    records, world, _ = run_scenario(layouts, SCRIPT)
+    records, world, _ = run_scenario(face, layouts, SCRIPT)
 
     assert_records(records, expected_records(layouts, SCRIPT))
     lonely = records[3]
@@ -290,8 +295,8 @@ GAN_SCRIPT: list[Step] = [
 ]
 
 
-def test_two_calls_per_step_vote_each_and_any_overflow_skips_the_step() -> None:
-    records, world, _ = run_scenario(GAN_LAYOUTS, GAN_SCRIPT)
+def test_two_calls_per_step_vote_each_and_any_overflow_skips_the_step(face: Face) -> None:
+    records, world, _ = run_scenario(face, GAN_LAYOUTS, GAN_SCRIPT)
 
     assert_records(records, expected_records(GAN_LAYOUTS, GAN_SCRIPT))
     assert [records[rank][1].results for rank in range(3)] == [(False, False)] * 3  # the step's verdict so far
@@ -305,22 +310,22 @@ def test_two_calls_per_step_vote_each_and_any_overflow_skips_the_step() -> None:
     assert [world.vote_count(rank) for rank in range(3)] == [22, 22, 22]
 
 
-def test_checkpoint_saved_by_rank_0_resumes_every_rank(tmp_path: Any) -> None:
+def test_checkpoint_saved_by_rank_0_resumes_every_rank(face: Face, tmp_path: Any) -> None:
     path = tmp_path / "scaler.ckpt"
     cut = 15  # right after step 15, whose overflow was rank 0's only
 
     def body(world: FakeWorld, rank: int) -> tuple[GradScalerCheckpoint, GradScalerStats, list[StepRecord]]:
         calls = [CallGradients(layout) for layout in LAYOUTS[rank]]
-        scaler = GradScaler(comm=FakeVote(world, rank), **CONFIG)
-        train(scaler, rank, calls, SCRIPT[:cut])
+        scaler = face(comm=FakeVote(world, rank), **CONFIG)
+        train(face, scaler, rank, calls, SCRIPT[:cut])
         if rank == 0:
             scaler.checkpoint().save(path)
         world.sync()
         loaded = GradScalerCheckpoint.load(path)
-        resumed = GradScaler(comm=FakeVote(world, rank))  # default config: the checkpoint must replace it
+        resumed = face(comm=FakeVote(world, rank))  # default config: the checkpoint must replace it
         resumed.load_checkpoint(loaded)
         assert resumed.checkpoint() == loaded
-        return loaded, resumed.stats(), train(resumed, rank, calls, SCRIPT[cut:])
+        return loaded, resumed.stats(), train(face, resumed, rank, calls, SCRIPT[cut:])
 
     world = FakeWorld(3)
     outcome = run_ranks(world, body)
@@ -350,7 +355,7 @@ def test_checkpoint_saved_by_rank_0_resumes_every_rank(tmp_path: Any) -> None:
     assert [world.vote_count(rank) for rank in range(3)] == [32, 32, 32]
 
 
-def test_checkpoint_file_does_not_depend_on_the_world_size(tmp_path: Any) -> None:
+def test_checkpoint_file_does_not_depend_on_the_world_size(face: Face, tmp_path: Any) -> None:
     # Rank 0 overflows at steps 2 and 7 in both runs; the other overflows fall on other ranks,
     # spread differently over 2 and 4 ranks. Rank 0's state, hence its file, is the same.
     layout = (Layout("list", ((0, Grad(np.float32, 3, 1.0)), (1, Grad(np.float16, 2, -4.0)))),)
@@ -371,8 +376,8 @@ def test_checkpoint_file_does_not_depend_on_the_world_size(tmp_path: Any) -> Non
         path = tmp_path / f"world{size}.ckpt"
 
         def body(world: FakeWorld, rank: int) -> GradScalerCheckpoint:
-            scaler = GradScaler(comm=FakeVote(world, rank), **CONFIG)
-            train(scaler, rank, [CallGradients(layout[0])], script(elsewhere))
+            scaler = face(comm=FakeVote(world, rank), **CONFIG)
+            train(face, scaler, rank, [CallGradients(layout[0])], script(elsewhere))
             if rank == 0:
                 scaler.checkpoint().save(path)
             return scaler.checkpoint()
@@ -441,8 +446,9 @@ def test_overflow_vote_for_refuses_anything_else(comm: Any) -> None:
         overflow_vote_for(comm)
     assert isinstance(caught.value, TypeError)
     assert type(comm).__name__ in str(caught.value)
-    with pytest.raises(ArgumentTypeError, match="Invalid 'comm'"):
-        GradScaler(comm=comm)
+    for scaler_class in (GradScaler, SyncFreeGradScaler):
+        with pytest.raises(ArgumentTypeError, match="Invalid 'comm'"):
+            scaler_class(comm=comm)
 
 
 def test_fake_vote_follows_the_protocol() -> None:
@@ -493,9 +499,9 @@ def test_ranks_disagreeing_on_enabled_fail_fast_instead_of_hanging() -> None:
     assert time.monotonic() - start < 5.0
 
 
-def test_the_scripted_run_is_deterministic() -> None:
-    first = run_scenario(LAYOUTS, SCRIPT)
-    second = run_scenario(LAYOUTS, SCRIPT)
+def test_the_scripted_run_is_deterministic(face: Face) -> None:
+    first = run_scenario(face, LAYOUTS, SCRIPT)
+    second = run_scenario(face, LAYOUTS, SCRIPT)
 
     assert first[0] == second[0]
     assert first[1].votes == second[1].votes

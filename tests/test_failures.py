@@ -2,9 +2,9 @@
 
 Failures are injected into the NumPy backend, whose arrays really are written
 before the failure: an interrupt half-way through the arrays of a call, and a
-device error while waiting for the result (what the CuPy backend can meet
+device error once every array was unscaled (what the CuPy backend can meet
 after its kernels ran). Whatever happened, no array may be divided twice, and
-the step must be skipped.
+the step must be skipped. Every test runs on both faces.
 """
 
 from __future__ import annotations
@@ -14,8 +14,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import Face
 
-from cupy_amp import DuplicateGradientError, GradScaler, numpy_backend
+from cupy_amp import DuplicateGradientError, numpy_backend
 
 
 class DeviceLost(RuntimeError):
@@ -44,23 +45,29 @@ def fail_multiply(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, BaseExcepti
 
 @pytest.fixture
 def fail_result(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """While ``switch["error"]`` is set, reading a call's verdict raises it (its arrays already unscaled)."""
-    switch: dict[str, Any] = {"error": None}
-    real = numpy_backend.HostState.read
+    """While ``switch["error"]`` is set, a call raises it right after unscaling (and checking) all its arrays.
 
-    def read(self: numpy_backend.HostState) -> Any:
+    Patched at ``HostState.unscale``, which both faces run (GradScaler's ``read`` of the verdict, the
+    other place a device error shows, is a call the sync-free face never makes).
+    """
+    switch: dict[str, Any] = {"error": None}
+    real = numpy_backend.HostState.unscale
+
+    def unscale(self: numpy_backend.HostState, call: Any) -> tuple[int, ...]:
+        culprits = real(self, call)
         if switch["error"] is not None:
             raise switch["error"]
-        return real(self)
+        return culprits
 
-    monkeypatch.setattr(numpy_backend.HostState, "read", read)
+    monkeypatch.setattr(numpy_backend.HostState, "unscale", unscale)
     return switch
 
 
 def test_interrupt_half_way_through_400_arrays_divides_none_twice(
+    face: Face,
     fail_multiply: Callable[[int, BaseException], None],
 ) -> None:
-    scaler = GradScaler(init_scale=4.0)
+    scaler = face(init_scale=4.0)
     grads = [np.full(3, 8.0, np.float32) for _ in range(400)]
     fail_multiply(200, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
@@ -74,15 +81,17 @@ def test_interrupt_half_way_through_400_arrays_divides_none_twice(
     assert [float(g[0]) for g in grads] == [2.0] * 200 + [8.0] * 200
     scaler.update()
     assert (scaler.stats().skipped_steps, scaler.scale_factor()) == (1, 2.0)
-    assert scaler.unscale_and_check(grads) is True  # the next step may use them again
+    assert face.ok(scaler.unscale_and_check(grads)) is True  # the next step may use them again
 
 
 ERRORS = [DeviceLost("the device went away while the kernels ran"), KeyboardInterrupt()]
 
 
 @pytest.mark.parametrize("error", ERRORS, ids=["device-error", "interrupt"])
-def test_failed_wait_counts_the_call_as_an_overflow(fail_result: dict[str, Any], error: BaseException) -> None:
-    scaler = GradScaler(init_scale=4.0, backoff_factor=0.5)
+def test_a_failure_after_unscaling_counts_the_call_as_an_overflow(
+    face: Face, fail_result: dict[str, Any], error: BaseException
+) -> None:
+    scaler = face(init_scale=4.0, backoff_factor=0.5)
     grads = [np.full(3, 8.0, np.float32)]
     fail_result["error"] = error
     with pytest.raises(type(error)):
@@ -97,10 +106,12 @@ def test_failed_wait_counts_the_call_as_an_overflow(fail_result: dict[str, Any],
     assert (stats.steps, stats.skipped_steps, stats.scale) == (1, 1, 2.0)
 
 
-def test_failed_wait_on_a_later_call_keeps_the_earlier_calls_and_skips_the_step(fail_result: dict[str, Any]) -> None:
-    scaler = GradScaler(init_scale=4.0, backoff_factor=0.5)
+def test_a_failure_after_unscaling_a_later_call_keeps_the_earlier_calls_and_skips_the_step(
+    face: Face, fail_result: dict[str, Any]
+) -> None:
+    scaler = face(init_scale=4.0, backoff_factor=0.5)
     first, second = [np.full(3, 8.0, np.float32)], [np.full(3, 8.0, np.float32)]
-    assert scaler.unscale_and_check(first)
+    assert face.ok(scaler.unscale_and_check(first))
     fail_result["error"] = ERRORS[0]
     with pytest.raises(DeviceLost):
         scaler.unscale_and_check(second)
@@ -112,9 +123,9 @@ def test_failed_wait_on_a_later_call_keeps_the_earlier_calls_and_skips_the_step(
     assert (scaler.stats().skipped_steps, scaler.scale_factor()) == (1, 2.0)
 
 
-def test_previous_step_results_stay_until_a_new_step_records_a_call(fail_result: dict[str, Any]) -> None:
-    scaler = GradScaler(init_scale=4.0)
-    assert not scaler.unscale_and_check([np.array([np.inf], np.float32)])
+def test_previous_step_results_stay_until_a_new_step_records_a_call(face: Face, fail_result: dict[str, Any]) -> None:
+    scaler = face(init_scale=4.0)
+    assert not face.ok(scaler.unscale_and_check([np.array([np.inf], np.float32)]))
     scaler.update()
     assert scaler.had_overflow() and scaler.nonfinite_gradients() == [0]
     fail_result["error"] = ERRORS[0]
@@ -131,17 +142,17 @@ class ArithmeticRefused(np.ndarray):
         raise RuntimeError("this subclass refuses NumPy arithmetic")
 
 
-def test_a_subclass_is_unscaled_on_its_data_never_through_its_own_arithmetic() -> None:
+def test_a_subclass_is_unscaled_on_its_data_never_through_its_own_arithmetic(face: Face) -> None:
     grad = np.full(4, 8.0, np.float32).view(ArithmeticRefused)
-    scaler = GradScaler(init_scale=4.0)
-    assert scaler.unscale_and_check([grad]) is True
+    scaler = face(init_scale=4.0)
+    assert face.ok(scaler.unscale_and_check([grad])) is True
     assert grad.view(np.ndarray).tolist() == [2.0] * 4
 
 
-def test_a_masked_array_is_judged_on_its_data_inf_under_the_mask_included() -> None:
+def test_a_masked_array_is_judged_on_its_data_inf_under_the_mask_included(face: Face) -> None:
     grad = np.ma.masked_array(np.array([1.0, np.inf, 3.0], np.float32), mask=[False, True, False])
     assert bool(np.isfinite(grad).all())  # what the mask shows
-    scaler = GradScaler(init_scale=2.0)
-    assert scaler.unscale_and_check({"w": grad}) is False  # what the memory holds
+    scaler = face(init_scale=2.0)
+    assert face.ok(scaler.unscale_and_check({"w": grad})) is False  # what the memory holds
     assert scaler.nonfinite_gradients() == ["w"]
     assert grad.data.tolist() == [0.5, np.inf, 1.5]

@@ -1,4 +1,8 @@
-"""Misuse of the scaler: each rule's error class, and proof that nothing was modified."""
+"""Misuse of the scaler: each rule's error class, and proof that nothing was modified.
+
+Every rule of the step machine is checked on both faces (the ``face`` fixture);
+the tests of a disabled scaler and of ``set_enabled`` are GradScaler's only.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import GRAD_SCALER, SYNC_FREE, Face
 from reference_model import identical, same_bits, unscaled
 
 from cupy_amp import (
@@ -25,15 +30,9 @@ from cupy_amp import (
 )
 
 
-def snapshot(scaler: GradScaler) -> tuple[GradScalerStats, bool, list[Any], float, bool]:
-    """Everything observable about the scaler's state."""
-    return (
-        scaler.stats(),
-        scaler.had_overflow(),
-        list(scaler.nonfinite_gradients()),
-        scaler.scale_factor(),
-        scaler.is_enabled(),
-    )
+def snapshot(scaler: Any) -> tuple[GradScalerStats, bool, list[Any], float]:
+    """Everything observable about the scaler's state (``stats().enabled`` is GradScaler's ``is_enabled()``)."""
+    return (scaler.stats(), scaler.had_overflow(), list(scaler.nonfinite_gradients()), scaler.scale_factor())
 
 
 def copies(arrays: list[Any]) -> list[Any]:
@@ -51,9 +50,9 @@ def read_only(array: np.ndarray) -> np.ndarray:
     return array
 
 
-def grads_with_history() -> tuple[GradScaler, list[np.ndarray]]:
+def grads_with_history(face: Face = GRAD_SCALER) -> tuple[Any, list[np.ndarray]]:
     """A scaler that has run one overflowing step, so a reset of its state would show."""
-    scaler = GradScaler(init_scale=1024.0, growth_interval=3, hysteresis=2)
+    scaler = face(init_scale=1024.0, growth_interval=3, hysteresis=2)
     scaler.unscale_and_check([np.ones(2, np.float32), np.array([np.inf], np.float32)])
     scaler.update()
     grads = [
@@ -78,8 +77,8 @@ def assert_error(info: pytest.ExceptionInfo[BaseException], package: type, built
     [2.5, 3, [1.0, 2.0], (1.0,), np.float32(2.0), np.float64(2.0), np.float16(1.0), "1.0", None],
     ids=["float", "int", "list", "tuple", "np.float32", "np.float64", "np.float16", "str", "None"],
 )
-def test_scale_loss_rejects_non_arrays(loss: Any) -> None:
-    scaler, _ = grads_with_history()
+def test_scale_loss_rejects_non_arrays(face: Face, loss: Any) -> None:
+    scaler, _ = grads_with_history(face)
     before = snapshot(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.scale_loss(loss)
@@ -89,8 +88,8 @@ def test_scale_loss_rejects_non_arrays(loss: Any) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_, np.complex64, np.complex128])
-def test_scale_loss_rejects_non_float_arrays(dtype: type) -> None:
-    scaler, _ = grads_with_history()
+def test_scale_loss_rejects_non_float_arrays(face: Face, dtype: type) -> None:
+    scaler, _ = grads_with_history(face)
     loss = np.ones(3, dtype=dtype)
     saved = loss.copy()
     before = snapshot(scaler)
@@ -103,8 +102,8 @@ def test_scale_loss_rejects_non_float_arrays(dtype: type) -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_scale_loss_rejects_read_only_arrays(dtype: type) -> None:
-    scaler, _ = grads_with_history()
+def test_scale_loss_rejects_read_only_arrays(face: Face, dtype: type) -> None:
+    scaler, _ = grads_with_history(face)
     loss = read_only(np.array(1.5, dtype=dtype))
     before = snapshot(scaler)
     with pytest.raises(GradientValueError) as info:
@@ -115,8 +114,8 @@ def test_scale_loss_rejects_read_only_arrays(dtype: type) -> None:
     assert snapshot(scaler) == before
 
 
-def test_scale_loss_works_in_place_and_returns_none() -> None:
-    scaler = GradScaler(init_scale=8.0)
+def test_scale_loss_works_in_place_and_returns_none(face: Face) -> None:
+    scaler = face(init_scale=8.0)
     loss = np.array([1.5, -2.0], np.float32)
     address = loss.__array_interface__["data"][0]
     assert scaler.scale_loss(loss) is None
@@ -150,8 +149,8 @@ def test_scale_loss_while_disabled_still_validates() -> None:
 # unscale_and_check: argument validation
 
 
-def test_int_array_at_the_end_leaves_the_float_arrays_untouched() -> None:
-    scaler, grads = grads_with_history()
+def test_int_array_at_the_end_leaves_the_float_arrays_untouched(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
     arg = [*grads, np.arange(3, dtype=np.int32)]
     saved = copies(arg)
     before = snapshot(scaler)
@@ -169,8 +168,8 @@ def test_int_array_at_the_end_leaves_the_float_arrays_untouched() -> None:
 @pytest.mark.parametrize(
     "bad", [1.0, [1.0, 2.0], np.float32(1.0), "grad", object()], ids=["float", "list", "np.float32", "str", "object"]
 )
-def test_non_array_entry_is_refused(bad: Any) -> None:
-    scaler, grads = grads_with_history()
+def test_non_array_entry_is_refused(face: Face, bad: Any) -> None:
+    scaler, grads = grads_with_history(face)
     arg = [grads[0], None, bad, grads[1]]
     saved = copies([grads[0], None, None, grads[1]])
     before = snapshot(scaler)
@@ -182,8 +181,8 @@ def test_non_array_entry_is_refused(bad: Any) -> None:
     assert snapshot(scaler) == before
 
 
-def test_non_float_entry_of_a_mapping_is_named() -> None:
-    scaler, grads = grads_with_history()
+def test_non_float_entry_of_a_mapping_is_named(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
     arg = {"fc1.W": grads[1], "fc1.b": np.ones(3, np.int64)}
     saved = copies(list(arg.values()))
     with pytest.raises(GradientTypeError, match=r"'fc1\.b'"):
@@ -192,8 +191,8 @@ def test_non_float_entry_of_a_mapping_is_named() -> None:
 
 
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_single_array_instead_of_a_list_is_refused(dtype: type) -> None:
-    scaler, _ = grads_with_history()
+def test_single_array_instead_of_a_list_is_refused(face: Face, dtype: type) -> None:
+    scaler, _ = grads_with_history(face)
     grad = np.array([[1.0, 2.0], [np.inf, 4.0]], dtype=dtype)
     saved = grad.copy()
     before = snapshot(scaler)
@@ -206,8 +205,8 @@ def test_single_array_instead_of_a_list_is_refused(dtype: type) -> None:
 
 
 @pytest.mark.parametrize("arg", [None, 3, 2.5, "abc", b"abc", np.float32(1.0)])
-def test_non_iterable_argument_is_refused(arg: Any) -> None:
-    scaler, _ = grads_with_history()
+def test_non_iterable_argument_is_refused(face: Face, arg: Any) -> None:
+    scaler, _ = grads_with_history(face)
     before = snapshot(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(arg)
@@ -215,8 +214,8 @@ def test_non_iterable_argument_is_refused(arg: Any) -> None:
     assert snapshot(scaler) == before
 
 
-def test_read_only_gradient_is_refused() -> None:
-    scaler, grads = grads_with_history()
+def test_read_only_gradient_is_refused(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
     arg = [grads[0], grads[1], read_only(np.array([1.0, 2.0], np.float32))]
     saved = copies(arg)
     before = snapshot(scaler)
@@ -229,16 +228,16 @@ def test_read_only_gradient_is_refused() -> None:
     assert snapshot(scaler) == before
 
 
-def test_broadcast_view_is_refused_as_read_only() -> None:
-    scaler = GradScaler()
+def test_broadcast_view_is_refused_as_read_only(face: Face) -> None:
+    scaler = face()
     base = np.ones(3, np.float32)
     with pytest.raises(GradientValueError):
         scaler.unscale_and_check([np.broadcast_to(base, (4, 3))])
     assert base.tolist() == [1.0, 1.0, 1.0]
 
 
-def test_same_array_twice_is_refused() -> None:
-    scaler, grads = grads_with_history()
+def test_same_array_twice_is_refused(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
     arg = [grads[1], grads[0], grads[1]]
     saved = copies(arg)
     before = snapshot(scaler)
@@ -252,8 +251,8 @@ def test_same_array_twice_is_refused() -> None:
     assert snapshot(scaler) == before
 
 
-def test_same_array_under_two_names_is_refused() -> None:
-    scaler, grads = grads_with_history()
+def test_same_array_under_two_names_is_refused(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
     arg = {"encoder.W": grads[2], "decoder.W": grads[2]}
     saved = grads[2].copy()
     with pytest.raises(DuplicateGradientError) as info:
@@ -269,13 +268,13 @@ def test_same_array_under_two_names_is_refused() -> None:
     ids=["rows-overlap", "zero-stride", "sliding-window", "interleaved-repeat"],
 )
 def test_an_array_whose_elements_overlap_each_other_is_refused(
-    shape: tuple[int, ...], strides: tuple[int, ...]
+    face: Face, shape: tuple[int, ...], strides: tuple[int, ...]
 ) -> None:
     # Built writeable on purpose: multiplying it in place would divide the shared elements more than once.
     base = np.arange(1.0, 17.0, dtype=np.float32)
     tricky = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides, writeable=True)
     saved = base.copy()
-    scaler = GradScaler(init_scale=2.0)
+    scaler = face(init_scale=2.0)
     with pytest.raises(GradientValueError, match="overlap in memory") as info:
         scaler.unscale_and_check([np.ones(2, np.float32), tricky])
     assert "gradient #1" in str(info.value)
@@ -296,8 +295,8 @@ def test_an_array_whose_elements_overlap_each_other_is_refused(
     ],
     ids=["a[:5],a[3:]", "a,a[2:4]", "a[::-1],a", "reshape,a[7:]", "a[::3],a[::2]", "a[9:],a[::-3]"],
 )
-def test_overlapping_views_are_refused(views: Any) -> None:
-    scaler, grads = grads_with_history()
+def test_overlapping_views_are_refused(face: Face, views: Any) -> None:
+    scaler, grads = grads_with_history(face)
     base = np.arange(10, dtype=np.float32)
     saved = base.copy()
     arg = [grads[0], *views(base)]
@@ -325,24 +324,24 @@ def test_overlapping_views_are_refused(views: Any) -> None:
     ],
     ids=["a[::2],a[1::2]", "halves", "a[::2],a[::-2]", "columns", "column blocks", "thirds"],
 )
-def test_disjoint_interleaved_views_are_accepted(views: Any) -> None:
-    scaler = GradScaler(init_scale=4.0)
+def test_disjoint_interleaved_views_are_accepted(face: Face, views: Any) -> None:
+    scaler = face(init_scale=4.0)
     base = np.arange(10, dtype=np.float32)
     expected = unscaled(base, 4.0)
-    assert scaler.unscale_and_check(views(base)) is True
+    assert face.ok(scaler.unscale_and_check(views(base))) is True
     assert same_bits(base, expected)  # every element unscaled exactly once
 
 
-def test_large_strided_disjoint_views_are_accepted() -> None:
-    scaler = GradScaler(init_scale=2.0)
+def test_large_strided_disjoint_views_are_accepted(face: Face) -> None:
+    scaler = face(init_scale=2.0)
     base = np.ones((256, 64), np.float32)
-    assert scaler.unscale_and_check([base[:, i::8] for i in range(8)]) is True
+    assert face.ok(scaler.unscale_and_check([base[:, i::8] for i in range(8)])) is True
     assert np.all(base == 0.5)
 
 
-def test_same_array_in_two_calls_of_one_step_is_refused() -> None:
-    scaler, grads = grads_with_history()
-    assert scaler.unscale_and_check([grads[1]]) is True
+def test_same_array_in_two_calls_of_one_step_is_refused(face: Face) -> None:
+    scaler, grads = grads_with_history(face)
+    assert face.ok(scaler.unscale_and_check([grads[1]])) is True
     after_first = snapshot(scaler)
     fresh = np.array([3.0, np.nan], np.float32)
     arg = [fresh, grads[1]]
@@ -359,19 +358,19 @@ def test_same_array_in_two_calls_of_one_step_is_refused() -> None:
     assert scaler.stats().consecutive_good_steps == 1
 
 
-def test_overlapping_view_in_a_later_call_of_the_step_is_refused() -> None:
-    scaler = GradScaler()
+def test_overlapping_view_in_a_later_call_of_the_step_is_refused(face: Face) -> None:
+    scaler = face()
     base = np.ones(10, np.float32)
     scaler.unscale_and_check([base[:6]])
     saved = base.copy()
     with pytest.raises(DuplicateGradientError):
         scaler.unscale_and_check([base[4:]])
     assert identical(base, saved)
-    assert scaler.unscale_and_check([base[6:]]) is True  # the disjoint rest is fine
+    assert face.ok(scaler.unscale_and_check([base[6:]])) is True  # the disjoint rest is fine
 
 
-def test_same_array_may_be_unscaled_again_in_the_next_step() -> None:
-    scaler = GradScaler(init_scale=4.0)
+def test_same_array_may_be_unscaled_again_in_the_next_step(face: Face) -> None:
+    scaler = face(init_scale=4.0)
     grad = np.array([8.0], np.float32)
     scaler.unscale_and_check([grad])
     scaler.update()
@@ -379,22 +378,22 @@ def test_same_array_may_be_unscaled_again_in_the_next_step() -> None:
     assert grad.tolist() == [0.5]
 
 
-def test_several_calls_per_step_on_disjoint_sets() -> None:
-    scaler = GradScaler(init_scale=2.0, growth_interval=1)
+def test_several_calls_per_step_on_disjoint_sets(face: Face) -> None:
+    scaler = face(init_scale=2.0, growth_interval=1)
     a, b, c = np.ones(2, np.float32), np.ones(2, np.float16), np.ones(2, np.float64)
-    assert scaler.unscale_and_check([a]) is True
-    assert scaler.unscale_and_check({"b": b}) is True
-    assert scaler.unscale_and_check([None, c]) is True
+    assert face.ok(scaler.unscale_and_check([a])) is True
+    assert face.ok(scaler.unscale_and_check({"b": b})) is True
+    assert face.ok(scaler.unscale_and_check([None, c])) is True
     scaler.update()
     assert [a.tolist(), b.tolist(), c.tolist()] == [[0.5, 0.5]] * 3
     assert scaler.stats().steps == 1
     assert scaler.stats().scale == 4.0
 
 
-def test_validation_error_in_a_later_call_keeps_the_earlier_calls() -> None:
-    scaler = GradScaler(init_scale=2.0)
+def test_validation_error_in_a_later_call_keeps_the_earlier_calls(face: Face) -> None:
+    scaler = face(init_scale=2.0)
     first = np.array([np.inf], np.float32)
-    assert scaler.unscale_and_check([first]) is False
+    assert face.ok(scaler.unscale_and_check([first])) is False
     with pytest.raises(GradientTypeError):
         scaler.unscale_and_check([np.ones(1, np.int8)])
     assert scaler.had_overflow() is True
@@ -434,8 +433,8 @@ def fake_cupy_backend(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.usefixtures("fake_cupy_backend")
 @pytest.mark.parametrize("gpu_first", [False, True])
-def test_numpy_and_cupy_arrays_mixed_are_refused(gpu_first: bool) -> None:
-    scaler, grads = grads_with_history()
+def test_numpy_and_cupy_arrays_mixed_are_refused(face: Face, gpu_first: bool) -> None:
+    scaler, grads = grads_with_history(face)
     arg: list[Any] = [grads[0], grads[1]]
     arg.insert(0 if gpu_first else 2, _FakeGpuArray())
     saved = copies(grads[:2])
@@ -451,9 +450,9 @@ def test_numpy_and_cupy_arrays_mixed_are_refused(gpu_first: bool) -> None:
     assert snapshot(scaler) == before
 
 
-def test_foreign_cpu_tensor_is_refused_with_a_package_error() -> None:
+def test_foreign_cpu_tensor_is_refused_with_a_package_error(face: Face) -> None:
     torch = pytest.importorskip("torch")
-    scaler, grads = grads_with_history()
+    scaler, grads = grads_with_history(face)
     saved = copies(grads)
     before = snapshot(scaler)
     with pytest.raises(GradientTypeError, match="Tensor"):
@@ -468,10 +467,10 @@ def test_foreign_cpu_tensor_is_refused_with_a_package_error() -> None:
 
 
 @pytest.mark.parametrize("arg", [[], (), {}, [None, None], {"a": None}, iter([])], ids=str)
-def test_empty_argument_is_a_clean_check(arg: Any) -> None:
-    scaler, _ = grads_with_history()
+def test_empty_argument_is_a_clean_check(face: Face, arg: Any) -> None:
+    scaler, _ = grads_with_history(face)
     assert scaler.had_overflow() is True
-    assert scaler.unscale_and_check(arg) is True
+    assert face.ok(scaler.unscale_and_check(arg)) is True
     assert scaler.had_overflow() is False
     assert scaler.nonfinite_gradients() == []
     scaler.update()
@@ -479,19 +478,19 @@ def test_empty_argument_is_a_clean_check(arg: Any) -> None:
     assert (stats.steps, stats.skipped_steps, stats.consecutive_good_steps) == (2, 1, 1)
 
 
-def test_generator_and_tuple_arguments_are_accepted() -> None:
-    scaler = GradScaler(init_scale=2.0)
+def test_generator_and_tuple_arguments_are_accepted(face: Face) -> None:
+    scaler = face(init_scale=2.0)
     a, b = np.ones(2, np.float32), np.ones(2, np.float32)
-    assert scaler.unscale_and_check(g for g in (a, None, b)) is True
+    assert face.ok(scaler.unscale_and_check(g for g in (a, None, b))) is True
     scaler.update()
-    assert scaler.unscale_and_check((a, b)) is True
+    assert face.ok(scaler.unscale_and_check((a, b))) is True
     assert a.tolist() == b.tolist() == [0.25, 0.25]
 
 
-def test_every_gradient_is_unscaled_even_after_an_overflow() -> None:
-    scaler = GradScaler(init_scale=4.0)
+def test_every_gradient_is_unscaled_even_after_an_overflow(face: Face) -> None:
+    scaler = face(init_scale=4.0)
     grads = [np.array([np.inf, 8.0], np.float32), np.array([8.0], np.float16), np.array([np.nan, 4.0])]
-    assert scaler.unscale_and_check(grads) is False
+    assert face.ok(scaler.unscale_and_check(grads)) is False
     assert grads[0].tolist() == [np.inf, 2.0]
     assert grads[1].tolist() == [2.0]
     assert np.isnan(grads[2][0])
@@ -521,8 +520,8 @@ def test_disabled_unscale_and_check_touches_nothing() -> None:
 # update()
 
 
-def test_update_without_unscale_is_refused() -> None:
-    scaler = GradScaler()
+def test_update_without_unscale_is_refused(face: Face) -> None:
+    scaler = face()
     before = snapshot(scaler)
     with pytest.raises(ScalerProtocolError) as info:
         scaler.update()
@@ -533,16 +532,16 @@ def test_update_without_unscale_is_refused() -> None:
     assert snapshot(scaler) == before
 
 
-def test_second_update_in_a_row_is_refused() -> None:
-    scaler, _ = grads_with_history()
+def test_second_update_in_a_row_is_refused(face: Face) -> None:
+    scaler, _ = grads_with_history(face)
     before = snapshot(scaler)
     with pytest.raises(ScalerProtocolError):
         scaler.update()
     assert snapshot(scaler) == before
 
 
-def test_gradient_accumulation_misuse_is_caught() -> None:
-    scaler = GradScaler(growth_interval=100)
+def test_gradient_accumulation_misuse_is_caught(face: Face) -> None:
+    scaler = face(growth_interval=100)
     grads = [np.ones(3, np.float32)]
     for _micro_batch in range(2):
         scaler.scale_loss(np.ones((), np.float32))
@@ -571,8 +570,8 @@ def test_set_enabled_switch_while_a_step_is_open_is_refused() -> None:
     assert scaler.is_enabled() is False
 
 
-def test_checkpoint_while_a_step_is_open_is_refused() -> None:
-    scaler = GradScaler()
+def test_checkpoint_while_a_step_is_open_is_refused(face: Face) -> None:
+    scaler = face()
     scaler.unscale_and_check([np.ones(2, np.float32)])
     with pytest.raises(ScalerProtocolError) as info:
         scaler.checkpoint()
@@ -581,10 +580,10 @@ def test_checkpoint_while_a_step_is_open_is_refused() -> None:
     assert scaler.checkpoint().steps == 1
 
 
-def test_load_checkpoint_while_a_step_is_open_is_refused() -> None:
-    donor = GradScaler(init_scale=2.0, growth_interval=7, hysteresis=3)
+def test_load_checkpoint_while_a_step_is_open_is_refused(face: Face) -> None:
+    donor = face(init_scale=2.0, growth_interval=7, hysteresis=3)
     ckpt = donor.checkpoint()
-    scaler, grads = grads_with_history()
+    scaler, grads = grads_with_history(face)
     scaler.unscale_and_check([grads[1]])
     before = snapshot(scaler)
     with pytest.raises(ScalerProtocolError) as info:
@@ -597,13 +596,19 @@ def test_load_checkpoint_while_a_step_is_open_is_refused() -> None:
 
 # A step opens at scale_loss: nothing may change the scale between the loss and its gradients
 
+CHANGES = ["load_checkpoint", "checkpoint"]  # and GradScaler's set_enabled
 
-@pytest.mark.parametrize("change", ["set_enabled", "load_checkpoint", "checkpoint"])
-def test_changing_the_scaler_between_scale_loss_and_unscale_is_refused(change: str) -> None:
+
+@pytest.mark.parametrize(
+    ("face", "change"),
+    [(GRAD_SCALER, "set_enabled"), *((face, change) for face in (GRAD_SCALER, SYNC_FREE) for change in CHANGES)],
+    ids=str,
+)
+def test_changing_the_scaler_between_scale_loss_and_unscale_is_refused(face: Face, change: str) -> None:
     # With set_enabled(False) or another checkpoint here, the loss got one scale and the gradients
     # would be divided by another, and unscale_and_check would still say True.
-    scaler = GradScaler(init_scale=8.0)
-    other = GradScaler(init_scale=2.0).checkpoint()
+    scaler = face(init_scale=8.0)
+    other = face(init_scale=2.0).checkpoint()
     loss = np.array(1.0, np.float32)
     scaler.scale_loss(loss)
     before = snapshot(scaler)
@@ -615,17 +620,16 @@ def test_changing_the_scaler_between_scale_loss_and_unscale_is_refused(change: s
         }[change]()
     assert snapshot(scaler) == before
     grad = np.full(2, 8.0, np.float32)  # as the backward pass from the scaled loss would give
-    assert scaler.unscale_and_check([grad]) is True
+    assert face.ok(scaler.unscale_and_check([grad])) is True
     assert grad.tolist() == [1.0, 1.0]
     scaler.update()
-    scaler.set_enabled(False)  # between steps: fine
-    scaler.load_checkpoint(other)
+    scaler.load_checkpoint(other)  # between steps: fine
 
 
-def test_scale_loss_after_unscale_without_update_says_update_was_forgotten() -> None:
-    scaler = GradScaler(init_scale=4.0)
+def test_scale_loss_after_unscale_without_update_says_update_was_forgotten(face: Face) -> None:
+    scaler = face(init_scale=4.0)
     scaler.scale_loss(np.array(1.0, np.float32))
-    assert scaler.unscale_and_check([np.ones(2, np.float32)])
+    assert face.ok(scaler.unscale_and_check([np.ones(2, np.float32)]))
     loss = np.array(1.0, np.float32)
     with pytest.raises(ScalerProtocolError, match=r"update\(\) was forgotten") as info:
         scaler.scale_loss(loss)
@@ -636,9 +640,9 @@ def test_scale_loss_after_unscale_without_update_says_update_was_forgotten() -> 
     assert loss == 4.0
 
 
-def test_a_loop_that_forgets_update_stops_at_its_second_step_holding_one_steps_arrays() -> None:
+def test_a_loop_that_forgets_update_stops_at_its_second_step_holding_one_steps_arrays(face: Face) -> None:
     # Without the check, every step's fresh arrays stayed referenced by the open step and the scale never moved.
-    scaler = GradScaler(init_scale=4.0, growth_interval=1)
+    scaler = face(init_scale=4.0, growth_interval=1)
     first_step = [np.ones(1000, np.float32)]
     watch = weakref.ref(first_step[0])
     scaler.scale_loss(np.array(1.0, np.float32))
@@ -652,13 +656,13 @@ def test_a_loop_that_forgets_update_stops_at_its_second_step_holding_one_steps_a
     assert watch() is None  # ...and lets go of them when it ends
 
 
-def test_gradient_accumulation_scales_every_micro_batch_loss_with_the_step_scale() -> None:
-    scaler = GradScaler(init_scale=4.0)
+def test_gradient_accumulation_scales_every_micro_batch_loss_with_the_step_scale(face: Face) -> None:
+    scaler = face(init_scale=4.0)
     losses = [np.array(float(i + 1), np.float32) for i in range(3)]
     for loss in losses:
         scaler.scale_loss(loss)
     assert [float(loss) for loss in losses] == [4.0, 8.0, 12.0]
-    assert scaler.unscale_and_check([np.full(2, 12.0, np.float32)])
+    assert face.ok(scaler.unscale_and_check([np.full(2, 12.0, np.float32)]))
     scaler.update()
     assert scaler.stats().steps == 1
 
@@ -690,14 +694,14 @@ def test_a_disabled_scaler_keeps_the_step_order_too() -> None:
     scaler.scale_loss(np.array(1.0, np.float32))
 
 
-def test_misaligned_numpy_arrays_are_refused_as_on_the_gpu() -> None:
+def test_misaligned_numpy_arrays_are_refused_as_on_the_gpu(face: Face) -> None:
     raw = np.zeros(40, dtype=np.uint8)
     misaligned = raw[1:33].view(np.float32)
     assert not misaligned.flags.aligned
     with pytest.raises(GradientValueError, match="misaligned"):
-        GradScaler().unscale_and_check([misaligned])
+        face().unscale_and_check([misaligned])
     with pytest.raises(GradientValueError, match="misaligned"):
-        GradScaler().scale_loss(misaligned)
+        face().scale_loss(misaligned)
 
 
 def test_a_disabled_scaler_still_validates_unscale_and_checks_argument() -> None:
@@ -713,8 +717,8 @@ def test_a_disabled_scaler_still_validates_unscale_and_checks_argument() -> None
 
 
 @pytest.mark.parametrize("bad", [None, {}, "ckpt", b"\x80", 1.0])
-def test_load_checkpoint_of_a_non_checkpoint_is_refused(bad: Any) -> None:
-    scaler, _ = grads_with_history()
+def test_load_checkpoint_of_a_non_checkpoint_is_refused(face: Face, bad: Any) -> None:
+    scaler, _ = grads_with_history(face)
     before = snapshot(scaler)
     with pytest.raises(TypeError) as info:
         scaler.load_checkpoint(bad)
@@ -722,8 +726,8 @@ def test_load_checkpoint_of_a_non_checkpoint_is_refused(bad: Any) -> None:
     assert snapshot(scaler) == before
 
 
-def test_load_checkpoint_of_a_checkpoint_dict_is_refused() -> None:
-    scaler, _ = grads_with_history()
+def test_load_checkpoint_of_a_checkpoint_dict_is_refused(face: Face) -> None:
+    scaler, _ = grads_with_history(face)
     as_dict = scaler.checkpoint().to_dict()
     before = snapshot(scaler)
     with pytest.raises(TypeError, match="GradScalerCheckpoint"):
@@ -734,36 +738,36 @@ def test_load_checkpoint_of_a_checkpoint_dict_is_refused() -> None:
 # had_overflow / nonfinite_gradients lifecycle
 
 
-def test_had_overflow_lifecycle() -> None:
-    scaler = GradScaler(init_scale=16.0)
+def test_had_overflow_lifecycle(face: Face) -> None:
+    scaler = face(init_scale=16.0)
     assert scaler.had_overflow() is False
     # Step 1 overflows.
     scaler.scale_loss(np.ones((), np.float32))
     assert scaler.had_overflow() is False
-    assert scaler.unscale_and_check([np.array([np.inf], np.float32)]) is False
+    assert face.ok(scaler.unscale_and_check([np.array([np.inf], np.float32)])) is False
     assert scaler.had_overflow() is True
     scaler.update()
     assert scaler.had_overflow() is True  # still the last step's result
     scaler.scale_loss(np.ones((), np.float32))
     assert scaler.had_overflow() is True  # scale_loss does not start a step
     # Step 2: clean first call, then an overflowing one.
-    assert scaler.unscale_and_check([np.ones(1, np.float32)]) is True
+    assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is True
     assert scaler.had_overflow() is False
-    assert scaler.unscale_and_check([np.array([np.nan], np.float16)]) is False
+    assert face.ok(scaler.unscale_and_check([np.array([np.nan], np.float16)])) is False
     assert scaler.had_overflow() is True
-    assert scaler.unscale_and_check([np.ones(1, np.float32)]) is False  # the step's verdict so far
+    assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is False  # the step's verdict so far
     assert scaler.had_overflow() is True
     scaler.update()
     assert scaler.had_overflow() is True
     # Step 3: clean.
-    assert scaler.unscale_and_check([np.ones(1, np.float32)]) is True
+    assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is True
     assert scaler.had_overflow() is False
     scaler.update()
     assert scaler.had_overflow() is False
 
 
-def test_nonfinite_gradients_positions_count_none_entries() -> None:
-    scaler = GradScaler()
+def test_nonfinite_gradients_positions_count_none_entries(face: Face) -> None:
+    scaler = face()
     grads = [
         np.ones(2, np.float32),
         None,
@@ -773,14 +777,14 @@ def test_nonfinite_gradients_positions_count_none_entries() -> None:
         np.ones(3, np.float64),
         np.array([-np.inf], np.float32),
     ]
-    assert scaler.unscale_and_check(grads) is False
+    assert face.ok(scaler.unscale_and_check(grads)) is False
     assert scaler.nonfinite_gradients() == [2, 4, 6]
     scaler.update()
     assert scaler.nonfinite_gradients() == [2, 4, 6]
 
 
-def test_nonfinite_gradients_names_for_a_mapping() -> None:
-    scaler = GradScaler()
+def test_nonfinite_gradients_names_for_a_mapping(face: Face) -> None:
+    scaler = face()
     grads = OrderedDict(
         [
             ("fc2.b", np.array([np.nan], np.float32)),
@@ -789,32 +793,32 @@ def test_nonfinite_gradients_names_for_a_mapping() -> None:
             ("emb", np.array([[1.0], [-np.inf]], np.float64)),
         ]
     )
-    assert scaler.unscale_and_check(grads) is False
+    assert face.ok(scaler.unscale_and_check(grads)) is False
     assert scaler.nonfinite_gradients() == ["fc2.b", "emb"]
 
 
-def test_nonfinite_gradients_over_several_calls_and_steps() -> None:
-    scaler = GradScaler()
+def test_nonfinite_gradients_over_several_calls_and_steps(face: Face) -> None:
+    scaler = face()
     assert scaler.nonfinite_gradients() == []
-    assert scaler.unscale_and_check([np.ones(1, np.float32), np.array([np.inf], np.float32)]) is False
-    assert scaler.unscale_and_check({"head": np.ones(1, np.float32)}) is False  # the step's verdict so far
-    assert scaler.unscale_and_check([None, np.array([np.nan], np.float32)]) is False
-    assert scaler.unscale_and_check({"tail": np.array([np.inf], np.float16), "x": np.ones(1)}) is False
+    assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32), np.array([np.inf], np.float32)])) is False
+    assert face.ok(scaler.unscale_and_check({"head": np.ones(1, np.float32)})) is False  # the step's verdict so far
+    assert face.ok(scaler.unscale_and_check([None, np.array([np.nan], np.float32)])) is False
+    assert face.ok(scaler.unscale_and_check({"tail": np.array([np.inf], np.float16), "x": np.ones(1)})) is False
     assert scaler.nonfinite_gradients() == [1, 1, "tail"]
     scaler.update()
     assert scaler.nonfinite_gradients() == [1, 1, "tail"]  # kept after update()
-    assert scaler.unscale_and_check([np.ones(1, np.float32)]) is True
+    assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is True
     assert scaler.nonfinite_gradients() == []  # the new step started
-    assert scaler.unscale_and_check({"late": np.array([np.nan], np.float32)}) is False
+    assert face.ok(scaler.unscale_and_check({"late": np.array([np.nan], np.float32)})) is False
     assert scaler.nonfinite_gradients() == ["late"]
     scaler.update()
-    assert scaler.unscale_and_check([]) is True
+    assert face.ok(scaler.unscale_and_check([])) is True
     scaler.update()
     assert scaler.nonfinite_gradients() == []
 
 
-def test_nonfinite_gradients_survive_a_rejected_first_call_of_the_next_step() -> None:
-    scaler = GradScaler()
+def test_nonfinite_gradients_survive_a_rejected_first_call_of_the_next_step(face: Face) -> None:
+    scaler = face()
     scaler.unscale_and_check([np.array([np.inf], np.float32)])
     scaler.update()
     with pytest.raises(GradientTypeError):

@@ -1,4 +1,7 @@
-"""Property tests: the real GradScaler against the reference model, step by step."""
+"""Property tests: both scaler faces against the reference model, step by step.
+
+The sync-free face is always enabled: its examples draw no "disabled" steps and never start disabled.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import FACES, GRAD_SCALER, Face
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from reference_model import (
@@ -21,7 +25,7 @@ from reference_model import (
     unscaled,
 )
 
-from cupy_amp import GradScaler, GradScalerCheckpoint
+from cupy_amp import GradScalerCheckpoint
 
 SMALLEST_SCALE = float.fromhex("0x1.000008p-128")  # the smallest float32 whose float32 inverse is finite
 PROPERTY_SETTINGS = settings(
@@ -36,7 +40,7 @@ NAN_BITS = {
     np.float64: [0x7FF8000000000000, 0x7FF0000000000001, 0xFFF80000DEADBEEF],
 }
 UINT = {np.float16: np.uint16, np.float32: np.uint32, np.float64: np.uint64}
-KINDS = ["clean", "clean", "clean", "inf", "-inf", "nan", "nan_payload", "huge_finite", "disabled"]
+KINDS = ["clean", "clean", "clean", "inf", "-inf", "nan", "nan_payload", "huge_finite"]
 
 
 def float32s(low: float, high: float) -> st.SearchStrategy[float]:
@@ -91,15 +95,17 @@ class Step:
     loss_dtype: Any
 
 
-steps_strategy = st.builds(
-    Step,
-    kind=st.sampled_from(KINDS),
-    target=st.integers(0, 2),
-    element=st.integers(0, 3),
-    payload=st.integers(0, 2),
-    split=st.booleans(),
-    loss_dtype=st.sampled_from([np.float16, np.float32, np.float64]),
-)
+def steps_of(face: Face) -> st.SearchStrategy[Step]:
+    """Steps for ``face``: GradScaler's include steps taken while disabled."""
+    return st.builds(
+        Step,
+        kind=st.sampled_from([*KINDS, "disabled"] if face is GRAD_SCALER else KINDS),
+        target=st.integers(0, 2),
+        element=st.integers(0, 3),
+        payload=st.integers(0, 2),
+        split=st.booleans(),
+        loss_dtype=st.sampled_from([np.float16, np.float32, np.float64]),
+    )
 
 
 def make_gradients(step: Step) -> list[np.ndarray]:
@@ -125,14 +131,14 @@ def make_gradients(step: Step) -> list[np.ndarray]:
     return grads
 
 
-def assert_matches_reference(scaler: GradScaler, ref: RefScaler) -> None:
+def assert_matches_reference(scaler: Any, ref: RefScaler) -> None:
     """Compare every field of stats() and checkpoint() (between steps) with the reference."""
     assert scaler.stats().to_dict() == ref.stats_dict()
     assert scaler.checkpoint().to_dict() == ref.checkpoint_dict()
 
 
-def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: bool) -> bool:
-    """Drive one step through ``scaler``, check it against ``ref``, and return had_overflow()."""
+def run_step(face: Face, scaler: Any, ref: RefScaler, step: Step, previous_overflow: bool) -> bool:
+    """Drive one step through ``scaler`` (of ``face``), check it against ``ref``, and return had_overflow()."""
     grads = make_gradients(step)
     saved = [g.copy() for g in grads]
     loss = np.array([1.5, -2.0], step.loss_dtype)
@@ -163,14 +169,14 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
     bad = [is_overflowing(g) for g in grads]
     overflow = any(bad)
     if step.split:
-        first = scaler.unscale_and_check([grads[0], None, grads[1]])
+        first = face.ok(scaler.unscale_and_check([grads[0], None, grads[1]]))
         assert first is not (bad[0] or bad[1])
-        second = scaler.unscale_and_check({"head": grads[2]})
+        second = face.ok(scaler.unscale_and_check({"head": grads[2]}))
         assert second is not (bad[0] or bad[1] or bad[2])  # each call answers for the step so far
         labels = [position for position, flag in ((0, bad[0]), (2, bad[1])) if flag]
         labels += ["head"] if bad[2] else []
     else:
-        assert scaler.unscale_and_check(grads) is not overflow
+        assert face.ok(scaler.unscale_and_check(grads)) is not overflow
         labels = [position for position, flag in enumerate(bad) if flag]
     for grad, want in zip(grads, expected, strict=True):
         assert same_bits(grad, want)
@@ -185,15 +191,17 @@ def run_step(scaler: GradScaler, ref: RefScaler, step: Step, previous_overflow: 
     return overflow
 
 
+@pytest.mark.parametrize("face", FACES)
 @PROPERTY_SETTINGS
-@given(config=configs(), steps=st.lists(steps_strategy, min_size=1, max_size=30))
-def test_scaler_follows_the_reference(config: RefConfig, steps: list[Step]) -> None:
-    scaler = GradScaler(**config.kwargs())
+@given(config=configs(), data=st.data())
+def test_scaler_follows_the_reference(face: Face, config: RefConfig, data: st.DataObject) -> None:
+    steps = data.draw(st.lists(steps_of(face), min_size=1, max_size=30), label="steps")
+    scaler = face(**config.kwargs())
     ref = RefScaler(config)
     assert_matches_reference(scaler, ref)
     overflow = False
     for step in steps:
-        overflow = run_step(scaler, ref, step, overflow)
+        overflow = run_step(face, scaler, ref, step, overflow)
         note_coverage(ref)
 
 
@@ -211,16 +219,18 @@ def note_coverage(ref: RefScaler) -> None:
         event("hysteresis delaying a backoff")
 
 
+@pytest.mark.parametrize("face", FACES)
 @PROPERTY_SETTINGS
-@given(config=configs(), steps=st.lists(steps_strategy, min_size=1, max_size=24), data=st.data())
-def test_checkpoint_round_trip_continues_identically(config: RefConfig, steps: list[Step], data: st.DataObject) -> None:
+@given(config=configs(), data=st.data())
+def test_checkpoint_round_trip_continues_identically(face: Face, config: RefConfig, data: st.DataObject) -> None:
+    steps = data.draw(st.lists(steps_of(face), min_size=1, max_size=24), label="steps")
     cut = data.draw(st.integers(0, len(steps)), label="cut")
-    start_disabled = data.draw(st.booleans(), label="start_disabled")
-    original = GradScaler(**config.kwargs())
+    start_disabled = face is GRAD_SCALER and data.draw(st.booleans(), label="start_disabled")
+    original = face(**config.kwargs())
     ref = RefScaler(config)
     overflow = False
     for step in steps[:cut]:
-        overflow = run_step(original, ref, step, overflow)
+        overflow = run_step(face, original, ref, step, overflow)
 
     if start_disabled:
         original.set_enabled(False)
@@ -232,14 +242,13 @@ def test_checkpoint_round_trip_continues_identically(config: RefConfig, steps: l
     # Through the file format and back, as a resumed run would read it.
     checkpoint = GradScalerCheckpoint.from_bytes(checkpoint.to_bytes())
     # Load into a scaler with a different configuration and some history of its own.
-    resumed = GradScaler(init_scale=4.0, growth_interval=9, hysteresis=2, min_scale=None, max_scale=None)
+    resumed = face(init_scale=4.0, growth_interval=9, hysteresis=2, min_scale=None, max_scale=None)
     resumed.unscale_and_check([np.array([np.nan], np.float32)])
     resumed.update()
     resumed.load_checkpoint(checkpoint)
     assert resumed.stats() == original.stats()
     assert resumed.had_overflow() is original.had_overflow()
     assert resumed.scale_factor() == original.scale_factor()
-    assert resumed.is_enabled() is original.is_enabled()
     assert resumed.checkpoint() == checkpoint
     if start_disabled:
         for scaler in (original, resumed):
@@ -249,15 +258,16 @@ def test_checkpoint_round_trip_continues_identically(config: RefConfig, steps: l
     twin = RefScaler(config)
     twin.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "config"})
     for step in steps[cut:]:
-        overflow_a = run_step(original, ref, step, overflow)
-        overflow_b = run_step(resumed, twin, step, overflow)
+        overflow_a = run_step(face, original, ref, step, overflow)
+        overflow_b = run_step(face, resumed, twin, step, overflow)
         assert overflow_a is overflow_b
         overflow = overflow_a
         assert resumed.stats() == original.stats()
         assert resumed.checkpoint() == original.checkpoint()
 
 
-def test_trajectory_matches_pytorch() -> None:
+@pytest.mark.parametrize("face", FACES)
+def test_trajectory_matches_pytorch(face: Face) -> None:
     """With both clamps off and hysteresis 1, the scale follows torch.amp's update exactly."""
     torch = pytest.importorskip("torch")
 
@@ -272,7 +282,7 @@ def test_trajectory_matches_pytorch() -> None:
     def check(
         init_scale: float, growth_factor: float, backoff_factor: float, growth_interval: int, overflows: list[bool]
     ) -> None:
-        scaler = GradScaler(
+        scaler = face(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -288,7 +298,7 @@ def test_trajectory_matches_pytorch() -> None:
             found_inf = torch.zeros(1)
             inv = torch_scale.double().reciprocal().float()
             torch._amp_foreach_non_finite_check_and_unscale_([torch_grad], found_inf, inv)
-            assert scaler.unscale_and_check([grad]) is (found_inf.item() == 0.0)
+            assert face.ok(scaler.unscale_and_check([grad])) is (found_inf.item() == 0.0)
             assert same_bits(grad, torch_grad.numpy())
             scaler.update()
             torch._amp_update_scale_(

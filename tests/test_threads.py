@@ -1,4 +1,7 @@
-"""One scaler used from several threads at once: calls are serialized, and no memory is unscaled twice."""
+"""One scaler used from several threads at once: calls are serialized, and no memory is unscaled twice.
+
+Both faces: the lock, the claims and the re-entry refusal are the step machine's.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +11,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import GRAD_SCALER, SYNC_FREE, Face
 
-from cupy_amp import DuplicateGradientError, GradScaler, ScalerProtocolError, numpy_backend
+from cupy_amp import DuplicateGradientError, ScalerProtocolError, numpy_backend
 
 
 @pytest.fixture
@@ -45,10 +49,10 @@ def run_together(*bodies: Any) -> list[Any]:
 
 
 @pytest.mark.usefixtures("slow_multiply")
-def test_two_threads_passing_the_same_list_divide_it_once() -> None:
-    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+def test_two_threads_passing_the_same_list_divide_it_once(face: Face) -> None:
+    scaler = face(init_scale=4.0, growth_interval=1000)
     grads = [np.full(3, 8.0, np.float32) for _ in range(4)]
-    results = run_together(lambda: scaler.unscale_and_check(grads), lambda: scaler.unscale_and_check(grads))
+    results = run_together(*[lambda: face.ok(scaler.unscale_and_check(grads))] * 2)
     assert sorted(type(result).__name__ for result in results) == ["DuplicateGradientError", "bool"]
     assert True in results
     assert all(isinstance(r, DuplicateGradientError) for r in results if r is not True)
@@ -58,10 +62,12 @@ def test_two_threads_passing_the_same_list_divide_it_once() -> None:
 
 
 @pytest.mark.usefixtures("slow_multiply")
-def test_two_threads_with_disjoint_gradients_both_count_in_one_step() -> None:
-    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+def test_two_threads_with_disjoint_gradients_both_count_in_one_step(face: Face) -> None:
+    scaler = face(init_scale=4.0, growth_interval=1000)
     first, second = [np.full(3, 8.0, np.float32)], [np.array([np.inf], np.float32)]
-    results = run_together(lambda: scaler.unscale_and_check(first), lambda: scaler.unscale_and_check(second))
+    results = run_together(
+        lambda: face.ok(scaler.unscale_and_check(first)), lambda: face.ok(scaler.unscale_and_check(second))
+    )
     # Each call answers for the step so far: the finite call says True only if it ran before the other.
     assert results[1] is False and results[0] in (True, False)
     assert scaler.had_overflow() is True
@@ -72,15 +78,15 @@ def test_two_threads_with_disjoint_gradients_both_count_in_one_step() -> None:
 
 
 @pytest.mark.usefixtures("slow_multiply")
-def test_update_from_another_thread_waits_for_the_call_in_flight() -> None:
-    scaler = GradScaler(init_scale=4.0, growth_interval=1000)
+def test_update_from_another_thread_waits_for_the_call_in_flight(face: Face) -> None:
+    scaler = face(init_scale=4.0, growth_interval=1000)
     grads = [np.full(3, 8.0, np.float32) for _ in range(5)]
 
     def late_update() -> None:
         time.sleep(0.03)  # the call has claimed its arrays and is multiplying
         scaler.update()
 
-    results = run_together(lambda: scaler.unscale_and_check(grads), late_update)
+    results = run_together(lambda: face.ok(scaler.unscale_and_check(grads)), late_update)
     assert results == [True, None]
     assert scaler.stats().steps == 1
     assert [g.tolist() for g in grads] == [[2.0] * 3] * 5
@@ -101,20 +107,31 @@ class CallbackVote:
         return local_overflow
 
 
-def test_reading_the_scaler_from_inside_its_own_call_works() -> None:
-    scaler: GradScaler
+def test_reading_the_scaler_from_inside_its_own_call_works(face: Face) -> None:
+    scaler: Any
     vote = CallbackVote(lambda: (scaler.stats().steps, scaler.had_overflow(), scaler.nonfinite_gradients()))
-    scaler = GradScaler(init_scale=4.0, comm=vote)
-    assert scaler.unscale_and_check([np.array([np.inf], np.float32)]) is False
-    assert vote.seen == [(0, False, [])]  # the call's verdict is recorded after its vote
+    scaler = face(init_scale=4.0, comm=vote)
+    assert face.ok(scaler.unscale_and_check([np.array([np.inf], np.float32)])) is False
+    # GradScaler records the call's verdict on the host after its vote; the sync-free face keeps no host record,
+    # its had_overflow() reads the state's flag, which this rank's own inf set before the vote. Neither records
+    # the call's culprits before it returns.
+    assert vote.seen == [(0, face is SYNC_FREE, [])]
 
 
-@pytest.mark.parametrize("method", ["update", "checkpoint", "unscale_and_check", "scale_loss", "set_enabled"])
-def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(method: str) -> None:
-    scaler: GradScaler
+METHODS = ["update", "checkpoint", "load_checkpoint", "unscale_and_check", "scale_loss"]  # and set_enabled
+
+
+@pytest.mark.parametrize(
+    ("face", "method"),
+    [*((face, method) for face in (GRAD_SCALER, SYNC_FREE) for method in METHODS), (GRAD_SCALER, "set_enabled")],
+    ids=str,
+)
+def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(face: Face, method: str) -> None:
+    scaler: Any
     calls = {
         "update": lambda: scaler.update(),
         "checkpoint": lambda: scaler.checkpoint(),
+        "load_checkpoint": lambda: scaler.load_checkpoint(face().checkpoint()),
         "unscale_and_check": lambda: scaler.unscale_and_check([np.ones(2, np.float32)]),
         "scale_loss": lambda: scaler.scale_loss(np.ones((), np.float32)),
         "set_enabled": lambda: scaler.set_enabled(False),
@@ -124,9 +141,9 @@ def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(
         yield np.ones(2, np.float32)
         calls[method]()
 
-    scaler = GradScaler(init_scale=4.0)
+    scaler = face(init_scale=4.0)
     started = time.monotonic()
     with pytest.raises(ScalerProtocolError, match="from inside one of its own calls"):
         scaler.unscale_and_check(grads())
     assert time.monotonic() - started < 5
-    assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True  # the scaler still works
+    assert face.ok(scaler.unscale_and_check([np.ones(2, np.float32)])) is True  # the scaler still works
