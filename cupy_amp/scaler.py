@@ -324,10 +324,31 @@ class GradScaler:
 
         def check() -> GradientStats:
             _, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
-            return lane.host_stats(state)
+            result: GradientStats = state.stats.result
+            return result.for_step(self._step, lane.finite)  # the verdict as the host read it
 
         lane = self._lane
         return self._step.run(check)
+
+    def step(self, optimizer: Any, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+        """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
+
+        ``check(gradients, max_norm=max_norm)`` followed by
+        ``optimizer.step(gradients, stats)``: the update unscales and clips
+        inside its pass and does nothing at all after an overflow. Call
+        ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
+        optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
+        parameters' order (a ``GradientSet`` too). Returns the step's
+        statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
+        ``check()`` does.
+
+        Raises:
+            As ``check()`` and the optimizer's ``step()``; the optimizer is not
+            called when the check raises.
+        """
+        stats = self.check(gradients, max_norm=max_norm)
+        optimizer.step(gradients, stats)
+        return stats
 
     def _read(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.

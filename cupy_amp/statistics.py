@@ -95,7 +95,13 @@ class GradientStats:
     """
 
     def __init__(
-        self, norm: Any, clip_coefficient: Any, finite: Any, source: np.ndarray | int, device: int = -1
+        self,
+        norm: Any,
+        clip_coefficient: Any,
+        finite: Any,
+        source: np.ndarray | int,
+        device: int = -1,
+        step: tuple[Any, int] | None = None,
     ) -> None:
         self.norm = norm
         self.clip_coefficient = clip_coefficient
@@ -103,6 +109,23 @@ class GradientStats:
         self.source = source  # the host's 0-d STATS record, or the device record's address
         self.device = device  # where the record is (-1: the host)
         self.stream: Any = None  # the CuPy stream the latest check() finished the record on (None on the host)
+        self.step = step  # (the scaler's step machine, the step's number) of the check() that made these
+
+    def for_step(self, step: Any, finite: Any = None) -> GradientStats:
+        """Return these statistics as the result of the check() of ``step``'s open step (same record)."""
+        stats = GradientStats(
+            self.norm, self.clip_coefficient, self.finite if finite is None else finite, self.source, self.device,
+            (step, step.number),
+        )  # fmt: skip
+        stats.stream = self.stream
+        return stats
+
+    def current(self) -> bool:
+        """Return whether the step whose check() made these is still open (its update() has not run)."""
+        if self.step is None:
+            return True
+        step, number = self.step
+        return bool(step.holds(number))
 
     def __repr__(self) -> str:
         where = "on the host" if isinstance(self.source, np.ndarray) else "on the device"

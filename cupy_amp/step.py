@@ -31,7 +31,6 @@ from cupy_amp.errors import ConfigError, GradientTypeError, GradientValueError, 
 from cupy_amp.gradients import Call, StepClaims
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Snapshot, State
-from cupy_amp.statistics import GradientStats
 
 __all__ = [
     "IDLE",
@@ -282,6 +281,10 @@ class Step:
                 if phase == INSPECTED:
                     states.skip_all()
 
+    def holds(self, number: int) -> bool:
+        """Return whether step ``number`` is open with its gradients inspected (between check() and update())."""
+        return self.number == number and self.phase == INSPECTED
+
     def close(self) -> None:
         """End the step (after ``update()`` applied the rule), in one assignment."""
         empty = StepClaims()
@@ -317,7 +320,6 @@ class StateSet:
         # from failures; the sync-free face reads its state instead.
         self.verdict = (False, False)
         self.finite = np.ones((), dtype=np.bool_)
-        self._stats: dict[int, GradientStats] = {}
 
     def all(self) -> list[State]:
         """Every state, the default one first when no array has placed one yet."""
@@ -389,16 +391,6 @@ class StateSet:
         self.finite[()] = False
         for state in self.all():
             state.stats.skip[...] = 1
-
-    def host_stats(self, state: State) -> GradientStats:
-        """Return ``state``'s statistics with :attr:`finite` as their verdict (the synchronous face's view)."""
-        result: GradientStats = state.stats.result
-        stats = self._stats.get(id(state))
-        if stats is None:
-            stats = GradientStats(result.norm, result.clip_coefficient, self.finite, result.source, result.device)
-            self._stats = {**self._stats, id(state): stats}
-        stats.stream = result.stream
-        return stats
 
     def update(self, after: ScalerState) -> None:
         """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).

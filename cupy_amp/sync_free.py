@@ -216,9 +216,30 @@ class SyncFreeGradScaler:
         def check() -> GradientStats:
             ballot = Ballot(self._vote)
             _, state = self._step.gradient_call(INSPECTED, self._states, ballot, parse, run, sums_after_failure)
-            return state.stats.result  # type: ignore[no-any-return]
+            result: GradientStats = state.stats.result
+            return result.for_step(self._step)
 
         return self._step.run(check)
+
+    def step(self, optimizer: Any, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+        """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
+
+        ``check(gradients, max_norm=max_norm)`` followed by
+        ``optimizer.step(gradients, stats)``: the update unscales and clips
+        inside its pass and does nothing at all after an overflow. Call
+        ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
+        optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
+        parameters' order (a ``GradientSet`` too). Returns the step's
+        statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
+        ``check()`` does.
+
+        Raises:
+            As ``check()`` and the optimizer's ``step()``; the optimizer is not
+            called when the check raises.
+        """
+        stats = self.check(gradients, max_norm=max_norm)
+        optimizer.step(gradients, stats)
+        return stats
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.

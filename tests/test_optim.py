@@ -65,7 +65,7 @@ def torch_run(make_ours: Any, make_theirs: Any, steps: int, resync: bool) -> tup
     differing, sqrt_differing = [], []
     for _ in range(steps):
         grads = [(rng.standard_normal(s) * 10 ** rng.uniform(-6, 1)).astype(np.float32) for s in SHAPES]
-        ours.step(grads)
+        ours.step(grads, None)
         for t, g in zip(theirs, grads):
             t.grad = torch.tensor(g)
         reference.step()
@@ -167,7 +167,7 @@ def test_float16_parameters_are_their_float32_masters_rounded() -> None:
     weights = params(7, np.float16)
     opt = AdamW(weights, lr=0.01)
     for seed in range(5):
-        opt.step(params(10 + seed, np.float16))
+        opt.step(params(10 + seed, np.float16), None)
     masters = opt.state_dict()["buffers"]["master"]
     for w, m in zip(weights, masters):
         assert_same_bits(w, np.frombuffer(m, dtype=np.float32).reshape(w.shape).astype(np.float16))
@@ -181,7 +181,7 @@ def test_the_clip_coefficient_and_inverse_scale_multiply_the_gradient_inside_the
     stats = scaler.check(grads, max_norm=0.5)
     SGD(weights, lr=0.1).step(grads, stats)
     factor = np.float32(stats.source["factor"])
-    SGD(expected, lr=0.1).step([g * factor for g in grads])
+    SGD(expected, lr=0.1).step([g * factor for g in grads], None)
     assert float(stats.clip_coefficient) < 1
     for w, e in zip(weights, expected):
         assert_same_bits(w, e)
@@ -224,11 +224,11 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
     saved = [w.copy() for w in weights]
     grads = params(2)
     with pytest.raises(ArgumentTypeError, match="Expected 3 gradients"):
-        opt.step(grads[:2])
+        opt.step(grads[:2], None)
     with pytest.raises(GradientTypeError, match="of shape"):
-        opt.step([grads[0].T, *grads[1:]])
+        opt.step([grads[0].T, *grads[1:]], None)
     with pytest.raises(GradientValueError, match="share memory"):
-        opt.step([weights[0], *grads[1:]])  # a gradient that is its own parameter
+        opt.step([weights[0], *grads[1:]], None)  # a gradient that is its own parameter
     with pytest.raises(ArgumentTypeError, match="GradientStats"):
         opt.step(grads, stats=object())  # type: ignore[arg-type]
     device_stats = GradientStats(np.float32(0), np.float32(1), np.True_, 0x7F0000000000, 0)
@@ -242,9 +242,9 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
 def test_the_learning_rate_can_change_between_steps() -> None:
     weights = [np.zeros(4, np.float32)]
     opt = SGD(weights, lr=1.0)
-    opt.step([np.ones(4, np.float32)])
+    opt.step([np.ones(4, np.float32)], None)
     opt.lr = 0.25
-    opt.step([np.ones(4, np.float32)])
+    opt.step([np.ones(4, np.float32)], None)
     assert weights[0].tolist() == [-1.25] * 4 and opt.lr == 0.25
     with pytest.raises(ConfigError, match="'lr'"):
         opt.lr = float("inf")
@@ -256,14 +256,14 @@ def test_a_saved_state_resumes_bit_for_bit(tmp_path: Path, make: Any) -> None:
     opt = make(weights)
     steps = [params(20 + i, np.float16) for i in range(6)]
     for grads in steps[:3]:
-        opt.step(grads)
+        opt.step(grads, None)
     opt.save(tmp_path / "state")
     resumed_weights = [w.copy() for w in weights]
     resumed = make(resumed_weights)
     resumed.load(tmp_path / "state")
     for grads in steps[3:]:
-        opt.step(grads)
-        resumed.step(grads)
+        opt.step(grads, None)
+        resumed.step(grads, None)
     assert resumed.step_count == opt.step_count == 6
     for a, b in zip(weights, resumed_weights):
         assert_same_bits(a, b)
@@ -272,7 +272,7 @@ def test_a_saved_state_resumes_bit_for_bit(tmp_path: Path, make: Any) -> None:
 def test_a_damaged_or_foreign_state_file_changes_nothing(tmp_path: Path) -> None:
     weights = params(12)
     opt = AdamW(weights)
-    opt.step(params(13))
+    opt.step(params(13), None)
     opt.save(tmp_path / "good")
     data = (tmp_path / "good").read_bytes()
     target_weights = params(14)
@@ -300,7 +300,7 @@ def test_every_field_of_the_state_round_trips() -> None:
     weights = params(15, np.float16)
     opt = AdamW(weights, lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     for seed, _ in zip(itertools.count(30), range(4)):
-        opt.step(params(seed, np.float16))
+        opt.step(params(seed, np.float16), None)
     state = opt.state_dict()
     other = AdamW(params(16, np.float16), lr=0.5, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1)
     other.load_state_dict(state)
@@ -394,14 +394,14 @@ def set_element(data: bytes, index: int, value: float) -> bytes:
 def adamw_after(steps: int, beta1: float = 0.8) -> AdamW:
     opt = AdamW(params(40, np.float16), lr=0.01, betas=(beta1, 0.9))
     for seed in range(steps):
-        opt.step(params(41 + seed, np.float16))
+        opt.step(params(41 + seed, np.float16), None)
     return opt
 
 
 def sgd_after(steps: int) -> SGD:
     opt = SGD(params(50, np.float16), lr=0.1, momentum=0.9)
     for seed in range(steps):
-        opt.step(params(51 + seed, np.float16))
+        opt.step(params(51 + seed, np.float16), None)
     return opt
 
 
@@ -511,8 +511,8 @@ def test_steps_from_several_threads_take_turns() -> None:
     grads = params(71, np.float16)
     opt, sequential = AdamW(weights, lr=0.01), AdamW(expected, lr=0.01)
     for _ in range(60):
-        sequential.step(grads)
-    threads = [threading.Thread(target=lambda: [opt.step(grads) for _ in range(30)]) for _ in range(2)]
+        sequential.step(grads, None)
+    threads = [threading.Thread(target=lambda: [opt.step(grads, None) for _ in range(30)]) for _ in range(2)]
     for thread in threads:
         thread.start()
     for thread in threads:

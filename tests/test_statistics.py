@@ -269,10 +269,12 @@ def test_after_a_failed_check_the_optimizer_does_not_apply_the_step(scaler_class
     scaler.update()
     vote.broken = True
     with pytest.raises(CommunicatorError, match="peer reset"):
-        scaler.check(grads)  # the same record object as `stats`: it must now say skip
-    optimizer.step(grads, stats)
+        scaler.check(grads)  # the same record as `stats`: it must now say skip
+    with pytest.raises(ScalerProtocolError, match="already closed"):
+        optimizer.step(grads, stats)  # the statistics of the step before
+    assert int(stats.source["skip"]) == 1  # what a captured graph's optimizer would read
     assert optimizer.step_count == 1 and weights[0].tolist() == [-1.0 / 65536] * 4
-    assert not bool(stats.finite) and scaler.had_overflow()
+    assert scaler.had_overflow()
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
@@ -345,8 +347,10 @@ def test_a_check_rejected_with_a_communicator_marks_the_previous_record_skipped(
     scaler.update()
     with pytest.raises(GradientTypeError):
         scaler.check(["not an array"])
-    optimizer.step(grads, stats)  # the record of the step before: it must not apply again
-    assert optimizer.step_count == 1 and not bool(stats.finite) and scaler.had_overflow()
+    with pytest.raises(ScalerProtocolError, match="already closed"):
+        optimizer.step(grads, stats)  # the statistics of the step before
+    assert int(stats.source["skip"]) == 1  # and their record says skip (what a captured graph reads)
+    assert optimizer.step_count == 1 and scaler.had_overflow()
 
 
 def test_a_failure_while_marking_the_record_still_joins_the_all_reduce() -> None:
@@ -370,3 +374,53 @@ def test_a_failure_while_marking_the_record_still_joins_the_all_reduce() -> None
 
     assert run_ranks(world, rank_body) == ["failed, joined", "skipped"]
     assert [len(sums) for sums in world.sums] == [2, 2]
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_statistics_belong_to_one_step_and_apply_once(scaler_class: type) -> None:
+    from cupy_amp.optim import SGD
+
+    scaler = scaler_class(init_scale=4.0)
+    weights, grads = [np.zeros(4, np.float32)], [np.full(4, 4.0, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    with pytest.raises(TypeError):
+        optimizer.step(grads)  # type: ignore[call-arg]  # the statistics are required
+    scaler.scale_loss(np.ones((), np.float32))
+    stats = scaler.check(grads)
+    optimizer.step(grads, stats)
+    with pytest.raises(ScalerProtocolError, match="already applied"):
+        optimizer.step(grads, stats)
+    assert weights[0].tolist() == [-1.0] * 4 and optimizer.step_count == 1
+    other = SGD([np.zeros(4, np.float32)], lr=1.0)
+    other.step(grads, stats)  # another optimizer (other parameters) applies the same check once too
+    scaler.update()
+    with pytest.raises(ScalerProtocolError, match="already closed"):
+        other.step(grads, stats)
+    optimizer.step(grads, None)  # None, passed explicitly: gradients no scaler touched
+    assert weights[0].tolist() == [-5.0] * 4 and optimizer.step_count == 2
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_scaler_step_checks_and_applies_the_fused_update_in_one_call(scaler_class: type) -> None:
+    from cupy_amp.optim import SGD
+
+    def grads(bad: bool) -> list[np.ndarray]:
+        return [np.full(2, np.inf if bad else 12.0, np.float32), np.full(3, 16.0, np.float32)]
+
+    scaler, twin = scaler_class(init_scale=4.0), scaler_class(init_scale=4.0)
+    optimizer = SGD([np.zeros(2, np.float32), np.zeros(3, np.float32)], lr=1.0, momentum=0.9)
+    reference = SGD([np.zeros(2, np.float32), np.zeros(3, np.float32)], lr=1.0, momentum=0.9)
+    for bad in (False, True, False):
+        for one in (scaler, twin):
+            one.scale_loss(np.ones((), np.float32))
+        stats = scaler.step(optimizer, grads(bad), max_norm=1.0)
+        expected = twin.check(grads(bad), max_norm=1.0)  # the two-call form it stands for
+        reference.step(grads(bad), expected)
+        assert_same_bits(np.float32(stats.norm), np.float32(expected.norm))
+        assert bool(stats.finite) is not bad
+        for ours, theirs in zip(optimizer.params, reference.params):
+            assert_same_bits(ours, theirs)
+        scaler.update()
+        twin.update()
+    assert optimizer.step_count == 2 and scaler.stats().skipped_steps == 1  # the overflow applied nothing
+    assert float(np.abs(optimizer.params[0]).max()) > 0

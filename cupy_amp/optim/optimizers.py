@@ -93,6 +93,7 @@ class _FusedOptimizer:
         self._lock = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
         self._busy = threading.Lock()  # held while a call runs: seen held by its own thread, it means re-entry
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
+        self._applied: tuple[Any, int] | None = None  # the step of the statistics last applied
         self._record = np.zeros((), dtype=self._record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
             self._record[name] = value
@@ -237,12 +238,16 @@ class _FusedOptimizer:
 
     # The step.
 
-    def step(self, gradients: Sequence[Any], stats: GradientStats | None = None) -> None:
+    def step(self, gradients: Sequence[Any], stats: GradientStats | None) -> None:
         """Update every parameter from its gradient; do nothing at all if ``stats`` says the step overflowed.
 
         Each gradient is multiplied by ``stats``' factor (inverse scale times clip
-        coefficient) inside the update and is only read. Without ``stats``, the
-        factor is 1 and no step is skipped. With CuPy arrays: a one-thread launch,
+        coefficient) inside the update and is only read. ``stats`` must be the
+        result of this step's ``check()``: between it and the scaler's
+        ``update()``, applied once by this optimizer. ``None``, passed
+        explicitly, is for gradients no scaler touched: the factor is 1 and no
+        step is skipped. ``scaler.step(optimizer, gradients)`` does the check
+        and this step in one call. With CuPy arrays: a one-thread launch,
         then one launch per dtype, on the current stream; never synchronizes
         (the first step with new gradient buffers builds device tables and
         waits for their copy; in a CUDA graph capture, pass the same buffers as
@@ -253,9 +258,10 @@ class _FusedOptimizer:
                 ``stats`` is not the GradientStats of a check() on the same kind of array.
             GradientTypeError, GradientValueError: A gradient of another shape,
                 dtype, device or layout than its parameter, or sharing memory with the optimizer's state.
-            ScalerProtocolError: An earlier step or load was interrupted while
-                writing (until a load succeeds), or this thread is inside another
-                call of this optimizer.
+            ScalerProtocolError: ``stats`` are of a step that ``update()`` closed, or
+                this optimizer applied them already; an earlier step or load was
+                interrupted while writing (until a load succeeds); or this thread is
+                inside another call of this optimizer.
         """
         grads = list(gradients)
         self._expect_stats(stats)
@@ -263,10 +269,10 @@ class _FusedOptimizer:
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
+        self._refuse_stale(stats)
         self._expect_gradients(grads)
         if self._device_record is None:
-            record = stats.source if stats is not None else None
-            self._host_step(grads, record if isinstance(record, np.ndarray) else None)
+            self._host_step(grads, stats)
             return
         tables = self._tables_for(grads)
         hyper = int(self._device_record.data.ptr)
@@ -276,7 +282,24 @@ class _FusedOptimizer:
         except ScalerProtocolError:
             self._torn = None  # its one refusal comes before the first launch: nothing changed
             raise
-        self._torn = None
+        self._torn, self._applied = None, None if stats is None else stats.step
+
+    def _refuse_stale(self, stats: GradientStats | None) -> None:
+        """Refuse statistics of a step that update() closed, or that this optimizer applied already."""
+        if stats is None:
+            return
+        if not stats.current():
+            raise ScalerProtocolError(
+                "step(): these statistics are of a step that the scaler's update() already closed; each step is "
+                "check() (or scaler.step(optimizer, gradients)), the optimizer step, then update(). Pass the "
+                "statistics of this step's check()."
+            )
+        applied, step = self._applied, stats.step
+        if applied is not None and step is not None and applied[0] is step[0] and applied[1] == step[1]:
+            raise ScalerProtocolError(
+                "step(): this optimizer already applied these statistics (one update per check()); run the next "
+                "step's check() first."
+            )
 
     def _expect_stats(self, stats: GradientStats | None) -> None:
         if stats is None:
@@ -308,15 +331,17 @@ class _FusedOptimizer:
                     f"gradients[{index}]: must be aligned, C-contiguous and on the parameters' device."
                 )
 
-    def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
+    def _host_step(self, grads: list[np.ndarray], stats: GradientStats | None) -> None:
         """Compute the step into new arrays, then write the parameters and swap the new state in."""
+        source = stats.source if stats is not None and isinstance(stats.source, np.ndarray) else None
         skip = bool(source["skip"]) if source is not None else False
         factor = np.float32(source["factor"]) if source is not None else np.float32(1.0)
         self._refuse_shared(grads)
         record = self._record.copy()
         self._begin(record, skip, factor)
+        applied = None if stats is None else stats.step
         if skip:
-            self._record = record  # the skip flag and the factor: a skipped step changes nothing else
+            self._record, self._applied = record, applied  # a skipped step changes nothing else
             return
         masters = list(self._masters)
         buffers = {name: list(arrays) for name, arrays in self._buffers.items()}
@@ -334,7 +359,7 @@ class _FusedOptimizer:
         self._torn = "a step was interrupted while it wrote the parameters"
         for p, value in zip(self._params, values):
             p[...] = value
-        self._record, self._masters, self._buffers, self._torn = record, masters, buffers, None  # one line: no gap
+        self._record, self._masters, self._buffers, self._torn, self._applied = record, masters, buffers, None, applied
 
     def _tables_for(self, grads: list[Any]) -> Any:
         """Return the device tables for these gradient buffers, built when their addresses change."""

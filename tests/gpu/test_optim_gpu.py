@@ -221,8 +221,8 @@ def test_a_learning_rate_set_after_capture_reaches_the_replays() -> None:
         weights = cupy.zeros(8, cupy.float32)
         grad = cupy.ones(8, cupy.float32)
         opt = SGD([weights], lr=1.0)
-        opt.step([grad])
-        graph = capture(stream, lambda: opt.step([grad]))
+        opt.step([grad], None)
+        graph = capture(stream, lambda: opt.step([grad], None))
         opt.lr = 0.25
         graph.launch(stream)
         stream.synchronize()
@@ -236,14 +236,14 @@ def test_a_saved_state_resumes_bit_for_bit(tmp_path: Any) -> None:
     params = as_device(host, False)
     opt = AdamW(params)
     for g in grads[:5]:
-        opt.step(g)
+        opt.step(g, None)
     opt.save(tmp_path / "adamw.state")
     resumed_params = [p.copy() for p in params]
     resumed = AdamW(resumed_params)
     resumed.load(tmp_path / "adamw.state")
     for g in grads[5:]:
-        opt.step(g)
-        resumed.step(g)
+        opt.step(g, None)
+        resumed.step(g, None)
     for a, b in zip(params, resumed_params):
         assert_same_bits(cupy.asnumpy(a), cupy.asnumpy(b))
     assert resumed.step_count == opt.step_count == 10
