@@ -31,6 +31,7 @@ __all__ = [
     "NcclVote",
     "OverflowVote",
     "cast_host_vote",
+    "check_sum_of_squares",
     "device_answer",
     "host_answer",
     "host_sums",
@@ -239,6 +240,23 @@ def overflow_count_verdict(count: float, local_overflow: bool) -> bool:
             "which is no such count: the communicator did not sum float64 values. The step counts as an overflow."
         )
     return count > 0 or local_overflow
+
+
+def check_sum_of_squares(total: float, own: float) -> None:
+    """Refuse an all-reduced sum of squares that no sum of the ranks' shares can be.
+
+    Every share is a sum of squares, so it is not negative: the total is at
+    least this rank's own share, not NaN, and infinite only if the share is.
+
+    Raises:
+        CommunicatorError: It is NaN, below this rank's share, negative, or infinite over a finite share.
+    """
+    if math.isnan(total) or total < own or (math.isinf(total) and not math.isinf(own)):
+        raise CommunicatorError(
+            f"The statistics all-reduce answered a sum of squares of {total!r} (this rank's share: {own!r}), which "
+            "no sum over the ranks can be: the communicator did not sum float64 values. The step counts as an "
+            "overflow."
+        )
 
 
 def sums_after_failure(vote: OverflowVote, error: BaseException) -> None:

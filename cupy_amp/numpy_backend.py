@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.distributed import OverflowVote, cast_host_vote, host_sums, host_verdict, overflow_count_verdict
+from cupy_amp.distributed import (
+    OverflowVote,
+    cast_host_vote,
+    check_sum_of_squares,
+    host_sums,
+    host_verdict,
+    overflow_count_verdict,
+)
 from cupy_amp.errors import CommunicatorError
 from cupy_amp.kernel_interface import STATS
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
@@ -88,6 +95,7 @@ class HostState:
         self._answer: object = None
         self.stats = HostStats(self.finite)
         self._sums = (0.0, 0.0)  # (overflowed ranks, sum of squares) of a check() waiting for its all-reduce
+        self._own = 0.0  # this rank's own sum of squares, which the all-reduced one must contain
         self.restore(config, state, overflow, local, epoch)
 
     def read(self) -> Verdict:
@@ -136,7 +144,7 @@ class HostState:
         if culprits:
             self.mark_overflow()
         if voting:
-            self._sums = (1.0 if culprits else 0.0), total
+            self._own, self._sums = total, ((1.0 if culprits else 0.0), total)
         else:
             self._finish(total, max_norm, bool(culprits))
         return culprits
@@ -150,18 +158,24 @@ class HostState:
         self._sums = host_sums(vote, overflowed != 0.0, total)
 
     def finish_check(self, max_norm: float) -> None:
-        """Take the all-reduced verdict and finish the record.
+        """Check the all-reduced pair, take the verdict and finish the record.
 
         Raises:
-            CommunicatorError: The count of overflowed ranks was no such count (the step counts as an overflow).
+            CommunicatorError: The count of overflowed ranks was no such count, or the sum of squares no sum
+                of the ranks' shares (the step counts as an overflow).
         """
         count, total = self._sums
-        self._finish(total, max_norm, count != 0.0)  # an impossible count (a NaN too) skips, and raises below
         try:
             agreed = overflow_count_verdict(count, self._found)
+            if not agreed:  # after an overflow the sums are meaningless: the step is skipped anyway
+                check_sum_of_squares(total, self._own)
         except CommunicatorError:
+            if not total < 0.0:  # the record as far as it can be made (a negative sum has no square root)
+                self._finish(total, max_norm, True)
             self._finite[()] = False
+            self.stats.record["skip"] = 1
             raise
+        self._finish(total, max_norm, agreed)
         if agreed:
             self._finite[()] = False
 

@@ -185,6 +185,42 @@ def test_an_impossible_overflow_count_is_an_error_and_the_step_is_skipped(scaler
     assert scaler.stats().skipped_steps == 1
 
 
+class SumLyingVote(FakeVote):
+    """A one-rank vote whose sum answers "no rank overflowed" and a sum of squares of its choosing."""
+
+    def __init__(self, total: float) -> None:
+        super().__init__(FakeWorld(1), 0)
+        self.total = total
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        values[...] = [0.0, self.total]
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("total", [float("nan"), 0.0, float("inf"), -1.0], ids=["nan", "below-own", "inf", "negative"])
+def test_an_impossible_sum_of_squares_is_an_error_and_the_step_is_skipped(scaler_class: type, total: float) -> None:
+    from cupy_amp.optim import SGD
+
+    scaler = scaler_class(comm=SumLyingVote(total))
+    grads = gradients(13, np.float32)
+    weights = [np.zeros_like(g) for g in grads]
+    optimizer = SGD(weights, lr=1.0)
+    scaler.scale_loss(np.ones((), np.float32))
+    with pytest.raises(CommunicatorError, match="sum of squares"):
+        scaler.check(grads, max_norm=1.0)
+    stats = state_record(scaler)
+    assert int(stats["skip"]) == 1  # what an optimizer (or a captured graph) reads: nothing is applied
+    assert scaler.had_overflow()
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1 and not any(w.any() for w in weights) and optimizer.step_count == 0
+
+
+def state_record(scaler: Any) -> Any:
+    """The host statistics record the scaler's check() writes."""
+    state = scaler._state if isinstance(scaler, SyncFreeGradScaler) else scaler._scaling.default
+    return state.stats.record
+
+
 @pytest.mark.parametrize("scaler_class", SCALERS)
 def test_a_guard_scaler_keeps_scale_one_and_still_skips(scaler_class: type) -> None:
     scaler = scaler_class.guard()
