@@ -1,15 +1,18 @@
-"""The ``cupy-amp`` command: look into and check scaler checkpoint files, or run the demo.
+"""The ``cupy-amp`` command: look into and check scaler checkpoints and optimizer states, or run the demo.
 
 Subcommands::
 
-    cupy-amp inspect FILE [--json]   print a checkpoint's fields
-    cupy-amp validate FILE...        check that files are intact, valid checkpoints
+    cupy-amp inspect FILE [--json]   print a file's fields
+    cupy-amp validate FILE...        check that files are intact, valid checkpoints or optimizer states
     cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
-``inspect`` and ``validate`` read every format version up to the current one,
-with exactly the checks of ``GradScalerCheckpoint.load``; ``inspect`` shows the
-version a file was written in and its fields as read (an older file upgraded);
-files are never rewritten.
+``inspect`` and ``validate`` take scaler checkpoints (``GradScalerCheckpoint.save``)
+and optimizer state files (``AdamW.save``, ``SGD.save``). Checkpoints are read in
+every format version up to the current one, with exactly the checks of
+``GradScalerCheckpoint.load``; optimizer states with every check that needs no
+optimizer (whether a state fits given parameters is checked by ``load``).
+``inspect`` shows the version a file was written in and its fields as read (an
+older checkpoint upgraded); files are never rewritten.
 
 Exit status: 0 on success, 1 when a file is missing, unreadable or invalid (for
 ``demo``: when the run cannot start or fails), 2 on a usage error, 130 when
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TextIO
@@ -28,6 +32,7 @@ from typing import TextIO
 from cupy_amp import __version__
 from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
 from cupy_amp.errors import CheckpointError
+from cupy_amp.optim import state_file
 from cupy_amp.rule import power_of_two
 
 __all__ = ["main"]
@@ -61,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="cupy-amp", description="Inspect and validate cupy-amp GradScaler checkpoint files, or run the demo."
+        prog="cupy-amp",
+        description="Inspect and validate cupy-amp GradScaler checkpoints and optimizer state files, or run the demo.",
     )
     parser.add_argument("--version", action="version", version=f"cupy-amp {__version__}")
     subcommands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
@@ -71,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
         help="print the fields of a checkpoint file",
         description="Print every field of a checkpoint file, one per line, or as one JSON object.",
     )
-    inspect.add_argument("file", metavar="FILE", help="checkpoint file written by GradScalerCheckpoint.save()")
+    inspect.add_argument(
+        "file", metavar="FILE", help="a checkpoint (GradScalerCheckpoint.save()) or an optimizer state (AdamW.save())"
+    )
     inspect.add_argument(
         "--json",
         action="store_true",
@@ -86,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Check each file; print 'OK  FILE' for a valid one and the reason on stderr for any other. "
         "Exit status 0 when all are valid, 1 otherwise.",
     )
-    validate.add_argument("files", metavar="FILE", nargs="+", help="checkpoint files to check")
+    validate.add_argument("files", metavar="FILE", nargs="+", help="checkpoints or optimizer states to check")
     validate.set_defaults(command=_validate)
 
     # Listed for --help; `cupy-amp demo ...` is handed to the demo's own parser before this one runs.
@@ -94,26 +102,49 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str) -> tuple[int, dict[str, object]]:
-    """Return a checkpoint file's format version and fields; OSError becomes a one-line CheckpointError."""
+def _load(path: str) -> tuple[str, int, dict[str, object]]:
+    """Return a file's format name, version and fields; OSError becomes a one-line CheckpointError.
+
+    A scaler checkpoint, else an optimizer state; a file that is neither gets the checkpoint reader's error.
+    """
     try:
         version, checkpoint = read_checkpoint(path)
     except OSError as exc:
         raise CheckpointError(f"checkpoint {path!r}: cannot read: {exc.strerror or exc}.") from None
-    return version, checkpoint.to_dict()
+    except CheckpointError as not_a_checkpoint:
+        try:
+            # An optimizer state is as large as its parameters' buffers: without them, its own size is the bound.
+            state = state_file.read(path, os.path.getsize(path))
+        except (CheckpointError, OSError):
+            raise not_a_checkpoint from None
+        if not isinstance(state, dict) or state.get("format") != state_file.STATE_FORMAT:
+            raise not_a_checkpoint from None
+        try:
+            layout, record, buffers = state_file.checked(state)
+        except CheckpointError as exc:
+            raise CheckpointError(f"optimizer state {path!r}: {exc}") from None
+        fields: dict[str, object] = {"kind": layout.kind}
+        fields.update({name: record[name].item() for name in layout.persistent})
+        for name, entries in buffers.items():
+            values = sum(len(data) // 4 for data in entries if data is not None)
+            fields[f"buffers.{name}"] = f"{len(entries)} entries, {values} float32 values"
+        return state_file.STATE_FORMAT, int(state["version"]), fields
+    return FORMAT_NAME, version, checkpoint.to_dict()
 
 
 def _inspect(args: argparse.Namespace) -> int:
     try:
-        version, fields = _load(args.file)
+        format_name, version, fields = _load(args.file)
     except CheckpointError as exc:
         _print(f"cupy-amp inspect: {exc}", sys.stderr)
         return EXIT_INVALID
     if args.json:
-        _print(json.dumps({"format": FORMAT_NAME, "version": version, "fields": fields}, indent=2), sys.stdout)
+        _print(json.dumps({"format": format_name, "version": version, "fields": fields}, indent=2), sys.stdout)
         return EXIT_OK
-    upgraded = "" if version == FORMAT_VERSION else f" (fields upgraded to version {FORMAT_VERSION})"
-    rows = [("file", args.file), ("format", f"{FORMAT_NAME} version {version}{upgraded}")]
+    upgraded = ""
+    if format_name == FORMAT_NAME and version != FORMAT_VERSION:
+        upgraded = f" (fields upgraded to version {FORMAT_VERSION})"
+    rows = [("file", args.file), ("format", f"{format_name} version {version}{upgraded}")]
     rows += [(name, _format_value(name, value)) for name, value in fields.items()]
     width = max(len(name) for name, _ in rows) + 1
     for name, text in rows:

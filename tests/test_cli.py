@@ -382,3 +382,42 @@ def _v1_with_remote_skips() -> bytes:
     body = data[:-5].replace(b"\xa7payload\x8f", b"\xa7payload\xde\x00\x10", 1)
     body = body.replace(b"\xa5crc32", msgpack.packb("remote_skipped_steps") + b"\x00\xa5crc32", 1)
     return _reseal(body)
+
+
+def optimizer_state(path: Path) -> Path:
+    """An AdamW state after one step: one float32 parameter (no master) and one float16 (a master)."""
+    import numpy as np
+
+    from cupy_amp.optim import AdamW
+
+    params = [np.ones(3, np.float32), np.ones(2, np.float16)]
+    optimizer = AdamW(params, lr=0.125, betas=(0.5, 0.75))
+    optimizer.step([np.ones(3, np.float32), np.ones(2, np.float16)], None)
+    optimizer.save(path)
+    return path
+
+
+def test_inspect_reads_an_optimizer_state(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = optimizer_state(tmp_path / "adamw.state")
+    assert main(["inspect", "--json", str(path)]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["format"], shown["version"]) == ("cupy-amp.optimizer", 1)
+    fields = shown["fields"]
+    assert (fields["kind"], fields["step"], fields["lr"], fields["beta1_power"]) == ("adamw", 1, 0.125, 0.5)
+    assert fields["buffers.master"] == "2 entries, 2 float32 values"
+    assert fields["buffers.exp_avg_sq"] == "2 entries, 5 float32 values"
+    assert main(["inspect", str(path)]) == 0
+    assert "cupy-amp.optimizer version 1" in capsys.readouterr().out
+
+
+def test_validate_checks_optimizer_states_by_field(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good = optimizer_state(tmp_path / "good.state")
+    state = msgpack.unpackb(good.read_bytes()[:-4], raw=False)
+    state["buffers"]["exp_avg_sq"][0] = b"\x00\x00\x80\xbf" * 3  # -1.0: no second moment is negative
+    body = msgpack.packb(state, use_bin_type=True)
+    bad = tmp_path / "bad.state"
+    bad.write_bytes(body + zlib.crc32(body).to_bytes(4, "big"))
+    assert main(["validate", str(good), str(bad)]) == 1
+    out, err = capsys.readouterr()
+    assert f"OK  {good}" in out
+    assert "buffers.exp_avg_sq[0]" in err and "-1.0" in err and str(bad) in err

@@ -18,39 +18,31 @@ import math
 import os
 import sys
 import threading
-import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
 
-import msgpack
 import numpy as np
 
-from cupy_amp._fileio import read_regular_file, write_file_atomic
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import (
     ArgumentTypeError,
-    CheckpointCorruptError,
-    CheckpointFieldError,
     ConfigError,
     GradientTypeError,
     GradientValueError,
     ScalerProtocolError,
 )
-from cupy_amp.optim import reference
+from cupy_amp.optim import reference, state_file
 from cupy_amp.statistics import GradientStats
 
 __all__ = ["SGD", "AdamW"]
 
-STATE_FORMAT = "cupy-amp.optimizer"
-STATE_VERSION = 1
 _PARAM_DTYPES = ("float16", "bfloat16", "float32")
 _T = TypeVar("_T")
-_LAST_STEP = 2**64 - 2  # the largest step counter a state may hold: one more step must not wrap the uint64
 
 
 def _number(name: str, value: object, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
-    number = float(value) if ok and _finite(value) else math.nan  # type: ignore[arg-type]
+    number = float(value) if ok and state_file.finite(value) else math.nan  # type: ignore[arg-type]
     if not (math.isfinite(number) and low <= number and (number < high if high_open else number <= high)):
         bound = f"< {high}" if high_open else (f"<= {high}" if math.isfinite(high) else "finite")
         raise ConfigError(f"Invalid {name!r}: expected a number >= {low} and {bound}, got {value!r}.")
@@ -71,12 +63,7 @@ class _FusedOptimizer:
     waiting for itself forever.
     """
 
-    _rule: ClassVar[str]
-    _record_dtype: ClassVar[np.dtype[Any]]
-    _moments: ClassVar[tuple[str, ...]]
-    _hyperparameters: ClassVar[tuple[str, ...]]
-    _persistent: ClassVar[tuple[str, ...]]  # the record's fields a state file keeps (the rest is per step)
-    _powers: ClassVar[tuple[tuple[str, str], ...]] = ()  # (power, beta): fields the steps multiply by a beta
+    _layout: ClassVar[state_file.Layout]  # the record's fields and the buffers
 
     def __init__(self, params: Iterable[Any], hyperparameters: dict[str, float]) -> None:
         self._params = list(params)
@@ -88,16 +75,16 @@ class _FusedOptimizer:
             self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
             self._buffers = {
                 name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
-                for name in self._moments
+                for name in self._layout.moments
             }
         self._lock = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
         self._busy = threading.Lock()  # held while a call runs: seen held by its own thread, it means re-entry
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
         self._applied: tuple[Any, int] | None = None  # the step of the statistics last applied
-        self._record = np.zeros((), dtype=self._record_dtype)  # the host's copy (the NumPy path's only one)
+        self._record = np.zeros((), dtype=self._layout.record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
             self._record[name] = value
-        for power, _ in self._powers:
+        for power, _ in self._layout.powers:
             self._record[power] = 1.0
         self._device_record: Any = None
         self._tables: Any = None
@@ -106,9 +93,9 @@ class _FusedOptimizer:
             from cupy_amp.optim import launches
 
             self._backend = launches
-            launches.load_optimizer(self._rule, self._device)
+            launches.load_optimizer(self._layout.kind, self._device)
             with xp.cuda.Device(self._device):
-                self._device_record = xp.zeros(self._record_dtype.itemsize, dtype=np.uint8)
+                self._device_record = xp.zeros(self._layout.record_dtype.itemsize, dtype=np.uint8)
             self._push_record()
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
@@ -176,7 +163,7 @@ class _FusedOptimizer:
             return self._record
         with self._xp.cuda.Device(self._device) as device:
             device.synchronize()  # steps may be queued on any stream
-            return np.frombuffer(self._device_record.get().tobytes(), dtype=self._record_dtype).reshape(())
+            return np.frombuffer(self._device_record.get().tobytes(), dtype=self._layout.record_dtype).reshape(())
 
     @property
     def lr(self) -> float:
@@ -191,7 +178,7 @@ class _FusedOptimizer:
     def _set_lr(self, lr: float) -> None:
         if self._device_record is not None:
             self._backend.refuse_capture("a new learning rate is copied from the host")
-            offset = self._record_dtype.fields["lr"][1]  # type: ignore[index]
+            offset = self._layout.record_dtype.fields["lr"][1]  # type: ignore[index]
             with self._xp.cuda.Device(self._device):
                 self._device_record[offset : offset + 8].set(np.array([lr], dtype="<f8").view(np.uint8))
         self._record["lr"] = lr  # after the device's copy
@@ -278,7 +265,7 @@ class _FusedOptimizer:
         hyper = int(self._device_record.data.ptr)
         self._torn = "a step was interrupted (or failed) between its launches"
         try:
-            self._backend.optimizer_step(self._rule, self._device, tables, hyper, stats)
+            self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, stats)
         except ScalerProtocolError:
             self._torn = None  # its one refusal comes before the first launch: nothing changed
             raise
@@ -349,11 +336,13 @@ class _FusedOptimizer:
         for index, (g, p) in enumerate(zip(grads, self._params)):
             master = self._masters[index]
             weights = (p if master is None else master).copy()
-            moments = [None if b is None else b.copy() for b in (self._buffers[name][index] for name in self._moments)]
+            moments = [
+                None if b is None else b.copy() for b in (self._buffers[name][index] for name in self._layout.moments)
+            ]
             self._update(record, g, weights, *moments)
             if master is not None:
                 masters[index] = weights
-            for name, moment in zip(self._moments, moments):
+            for name, moment in zip(self._layout.moments, moments):
                 buffers[name][index] = moment
             values.append(weights if master is None else weights.astype(p.dtype))
         self._torn = "a step was interrupted while it wrote the parameters"
@@ -371,13 +360,15 @@ class _FusedOptimizer:
             for index, (g, p) in enumerate(zip(grads, self._params)):
                 name = str(dtype_name(p.dtype))  # one of _PARAM_DTYPES: checked at construction
                 master = self._masters[index]
-                moments = [self._buffers[m][index] for m in self._moments] + [None] * (2 - len(self._moments))
+                moments = [self._buffers[m][index] for m in self._layout.moments] + [None] * (
+                    2 - len(self._layout.moments)
+                )
                 buffers = (master, *moments)
                 addresses = (int(g.data.ptr), int(p.data.ptr), *(0 if b is None else int(b.data.ptr) for b in buffers))
                 groups.setdefault(name, []).append(addresses)
                 counts.setdefault(name, []).append(p.size)
             with self._xp.cuda.Device(self._device):
-                self._tables = self._backend.param_tables(self._rule, groups, counts)
+                self._tables = self._backend.param_tables(self._layout.kind, groups, counts)
             self._table_key = key
         return self._tables
 
@@ -405,10 +396,10 @@ class _FusedOptimizer:
         record = self._pull_record()
         buffers = {"master": self._masters, **self._buffers}
         return {
-            "format": STATE_FORMAT,
-            "version": STATE_VERSION,
-            "kind": self._rule,
-            "record": {name: record[name].item() for name in self._persistent},
+            "format": state_file.STATE_FORMAT,
+            "version": state_file.STATE_VERSION,
+            "kind": self._layout.kind,
+            "record": {name: record[name].item() for name in self._layout.persistent},
             "buffers": {
                 name: [None if b is None else _host_bytes(b) for b in arrays] for name, arrays in buffers.items()
             },
@@ -453,73 +444,30 @@ class _FusedOptimizer:
         """Return the record and buffers of ``state`` if this optimizer's own steps could have produced them.
 
         Raises:
-            CheckpointFieldError: The first field that could not be (named as ``record.<name>`` or
-                ``buffers.<name>[<index>]``), with what was expected and what was given.
+            CheckpointFieldError: The first field that could not be (see :func:`state_file.checked`), or
+                one that does not fit this optimizer (its kind, hyperparameters and parameters).
         """
-        keys = {"format", "version", "kind", "record", "buffers"}
-        if not isinstance(state, dict) or set(state) != keys:
-            got = sorted(map(str, state)) if isinstance(state, dict) else type(state).__name__
-            raise _invalid("state", f"a dict with the keys {', '.join(sorted(keys))}", got)
-        if state["format"] != STATE_FORMAT or state["version"] != STATE_VERSION:
-            got = f"{state['format']!r} version {state['version']!r}"
-            raise _invalid("format", f"{STATE_FORMAT!r} version {STATE_VERSION}", got)
-        if state["kind"] != self._rule:
-            raise _invalid("kind", f"{self._rule!r} (the state of a {type(self).__name__})", repr(state["kind"]))
-        record = self._validated_record(state["record"])
-        buffers = state["buffers"]
-        expected = {"master": self._masters, **self._buffers}
-        if not isinstance(buffers, dict) or set(buffers) != set(expected):
-            got = sorted(map(str, buffers)) if isinstance(buffers, dict) else type(buffers).__name__
-            raise _invalid("buffers", f"a dict with the keys {', '.join(expected)}", got)
-        fresh = int(record["step"]) == 0
-        for name, arrays in expected.items():
-            given = buffers[name]
-            if not isinstance(given, list) or len(given) != len(arrays):
-                got = f"{len(given)} entries" if isinstance(given, list) else type(given).__name__
-                raise _invalid(f"buffers.{name}", f"a list of {len(arrays)} entries (one per parameter)", got)
-            for index, (data, target) in enumerate(zip(given, arrays)):
-                field = f"buffers.{name}[{index}]"
-                if target is None:
-                    if data is not None:
-                        raise _invalid(field, "None (this parameter has no such buffer)", type(data).__name__)
-                    continue
-                if not isinstance(data, bytes) or len(data) != target.nbytes:
-                    got = f"{len(data)} bytes" if isinstance(data, bytes) else type(data).__name__
-                    raise _invalid(field, f"{target.nbytes} bytes (float32 of its parameter's shape)", got)
-                problem = _unreachable(np.frombuffer(data, dtype=np.float32), name, fresh)
-                if problem is not None:
-                    raise _invalid(field, *problem)
-        return record, buffers
-
-    def _validated_record(self, fields: Any) -> np.ndarray:
-        """Return the record of a state's ``record`` map (see :meth:`_validated`)."""
-        names = self._persistent
-        if not isinstance(fields, dict) or set(fields) != set(names):
-            got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
-            raise _invalid("record", f"a dict with the fields {', '.join(names)}", got)
-        record = np.zeros((), dtype=self._record_dtype)
-        for name in names:
-            value, field = fields[name], f"record.{name}"
-            if name == "step":
-                # One more step must not wrap the uint64 counter (the kernel would go on from 0).
-                if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= _LAST_STEP:
-                    raise _invalid(field, "an int from 0 to 2**64 - 2", repr(value))
-            elif not isinstance(value, (int, float)) or isinstance(value, bool) or not _finite(value):
-                raise _invalid(field, "a finite number", repr(value))
-            elif name == "lr" and not value >= 0:
-                raise _invalid(field, "a number >= 0", repr(value))
-            record[name] = value
-        for name in self._hyperparameters:
+        layout, record, buffers = state_file.checked(state)
+        if layout is not self._layout:
+            expected = f"{self._layout.kind!r} (the state of a {type(self).__name__})"
+            raise state_file.invalid("kind", expected, repr(state["kind"]))
+        for name in self._layout.hyperparameters:
             if record[name] != self._record[name]:
                 ours = f"{self._record[name].item()!r} (this optimizer's)"
-                raise _invalid(f"record.{name}", ours, repr(fields[name]))
-        for name, beta in self._powers:
-            # The powers are the products each step makes, replayed: the kernel can reach no other value.
-            power = _power(float(self._record[beta]), int(record["step"]))
-            if float(record[name]).hex() != power.hex():
-                expected = f"{power!r} ({beta} multiplied {int(record['step'])} times into 1.0, as the steps do)"
-                raise _invalid(f"record.{name}", expected, repr(fields[name]))
-        return record
+                raise state_file.invalid(f"record.{name}", ours, repr(state["record"][name]))
+        for name, arrays in {"master": self._masters, **self._buffers}.items():
+            given = buffers[name]
+            if len(given) != len(arrays):
+                expected = f"a list of {len(arrays)} entries (one per parameter)"
+                raise state_file.invalid(f"buffers.{name}", expected, f"{len(given)} entries")
+            for index, (data, target) in enumerate(zip(given, arrays)):
+                field = f"buffers.{name}[{index}]"
+                if target is None and data is not None:
+                    raise state_file.invalid(field, "None (this parameter has no such buffer)", type(data).__name__)
+                if target is not None and (data is None or len(data) != target.nbytes):
+                    got = "None" if data is None else f"{len(data)} bytes"
+                    raise state_file.invalid(field, f"{target.nbytes} bytes (float32 of its parameter's shape)", got)
+        return record, buffers
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` to ``path`` atomically (msgpack with a CRC-32), as scaler checkpoints are.
@@ -531,9 +479,7 @@ class _FusedOptimizer:
                 another call of this optimizer on the same thread); nothing is written.
             OSError: The file cannot be written (``path`` keeps its old content).
         """
-        state = self._exclusive("save()", lambda: self._state_dict("save()"))
-        body: bytes = msgpack.packb(state, use_bin_type=True, use_single_float=False)
-        write_file_atomic(path, body + zlib.crc32(body).to_bytes(4, "big"))
+        state_file.write(path, self._exclusive("save()", lambda: self._state_dict("save()")))
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Read a file written by :meth:`save` into this optimizer; nothing changes unless it is intact and fits.
@@ -544,16 +490,8 @@ class _FusedOptimizer:
                 holding a value that no sequence of steps produces (the message names the field).
             ScalerProtocolError: This thread is inside another call of this optimizer.
         """
-        buffers = sum(4 * p.size for p in self._params) * (1 + len(self._moments))
-        data = read_regular_file(path, buffers + (1 << 16) + 64 * len(self._params), CheckpointCorruptError)
-        body, crc = data[:-4], data[-4:]
-        if len(data) < 4 or zlib.crc32(body).to_bytes(4, "big") != crc:
-            raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an intact optimizer state (CRC-32 mismatch).")
-        try:
-            state = msgpack.unpackb(body, raw=False, strict_map_key=True)
-        except Exception as error:  # msgpack raises several unrelated types for malformed input
-            raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an optimizer state ({error}).") from None
-        self.load_state_dict(state)
+        buffers = sum(4 * p.size for p in self._params) * (1 + len(self._layout.moments))
+        self.load_state_dict(state_file.read(path, buffers + (1 << 16) + 64 * len(self._params)))
 
 
 class AdamW(_FusedOptimizer):
@@ -568,12 +506,7 @@ class AdamW(_FusedOptimizer):
         ConfigError: A hyperparameter out of range (the message names it).
     """
 
-    _rule = "adamw"
-    _record_dtype = reference.ADAMW_STATE
-    _moments = ("exp_avg", "exp_avg_sq")
-    _hyperparameters = ("beta1", "beta2", "eps", "weight_decay")
-    _persistent = ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "beta1_power", "beta2_power")
-    _powers = (("beta1_power", "beta1"), ("beta2_power", "beta2"))
+    _layout = state_file.ADAMW
 
     def __init__(
         self,
@@ -615,11 +548,7 @@ class SGD(_FusedOptimizer):
         ConfigError: A hyperparameter out of range (the message names it).
     """
 
-    _rule = "sgd"
-    _record_dtype = reference.SGD_STATE
-    _moments = ("momentum_buffer",)
-    _hyperparameters = ("momentum", "dampening", "weight_decay", "nesterov")
-    _persistent = ("step", "lr", "momentum", "dampening", "weight_decay", "nesterov")
+    _layout = state_file.SGD
 
     def __init__(
         self,
@@ -652,58 +581,6 @@ class SGD(_FusedOptimizer):
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
         reference.sgd_update(record, grad, weights, *moments)
-
-
-def _invalid(field: str, expected: str, got: object) -> CheckpointFieldError:
-    return CheckpointFieldError(f"Invalid {field!r}: expected {expected}, got {got}.")
-
-
-def _power(beta: float, steps: int) -> float:
-    """Return 1.0 multiplied ``steps`` times by ``beta`` in float64, rounding each product, as the steps do.
-
-    The products never grow (0 <= beta < 1), so once a block of them leaves the value unchanged it is the
-    value of every later step: the work stops at ``steps`` or there (about 745 / (1 - beta) steps), at
-    roughly 20 ns a product.
-    """
-    power, done = 1.0, 0
-    while done < steps:
-        count = min(steps - done, 1 << 16)
-        value = power
-        for _ in range(count >> 3):
-            value = value * beta * beta * beta * beta * beta * beta * beta * beta
-        for _ in range(count & 7):
-            value *= beta
-        if value == power:
-            break
-        power, done = value, done + count
-    return power
-
-
-def _unreachable(values: np.ndarray, name: str, fresh: bool) -> tuple[str, str] | None:
-    """Return (expected, got) if no step could have left these float32 values in buffer ``name``, else None.
-
-    Masters and moments are finite, a second moment is never negative (nor -0.0), and before the first
-    step (``fresh``) every moment is +0.0.
-    """
-    bad = ~np.isfinite(values)
-    expected = "finite float32 values"
-    if name == "exp_avg_sq":
-        bad |= np.signbit(values)
-        expected = "finite float32 values >= +0.0 (a second moment)"
-    if fresh and name != "master":
-        bad |= values.view(np.uint32) != 0
-        expected = "+0.0 everywhere (record.step is 0: no step has written a moment)"
-    if not bad.any():
-        return None
-    index = int(np.flatnonzero(bad)[0])
-    return expected, f"{float(values[index])!r} at index {index}"
-
-
-def _finite(value: Any) -> bool:
-    try:
-        return math.isfinite(float(value))
-    except OverflowError:  # an int beyond float64
-        return False
 
 
 def _aligned(array: Any) -> bool:
