@@ -518,3 +518,15 @@ def test_resume_refuses_an_optimizer_with_more_updates_than_steps(tmp_path: Path
     np.savez(tmp_path / "state.npz", **arrays)
     result = demo("--resume", str(tmp_path), "--steps", "6")
     assert result.status == 1 and "updates in 3 steps" in result.err
+
+
+@pytest.mark.slow
+def test_the_readme_compare_table_is_what_the_demo_prints() -> None:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    header = "                         accuracy     loss  skipped  grads zeroed in fp16"
+    table = readme[readme.index(header) :].split("```")[0].strip("\n").splitlines()
+    result = demo("--compare", "--device", "cpu")
+    assert result.status == 0, result.err
+    lines = result.out.splitlines()
+    start = lines.index(header)
+    assert lines[start : start + len(table)] == table
