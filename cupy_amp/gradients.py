@@ -188,6 +188,15 @@ def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
             "scale_loss cannot scale a bfloat16 loss: bfloat16 needs no loss scaling. Skip scale_loss and use a "
             "guard scaler (GradScaler.guard()) whose check(gradients) finds inf/nan and clips."
         )
+    if array.dtype == np.float16:
+        # Refused on every scaler, guards and a disabled GradScaler included (they scale by 1, so nothing would
+        # overflow there): parsing reads no scaler state, and a loop must not work only while scaling is off.
+        raise GradientTypeError(
+            "scale_loss cannot scale a float16 loss: a float16 loss times the scale (65536 by default) is inf in "
+            "float16 (its largest value is 65504). Compute the loss in float32 (cast the logits or the loss with "
+            ".astype(float32) before the reduction); the backward pass can still run in float16. PyTorch's "
+            "GradScaler.scale() promotes a float16 loss to float32 likewise."
+        )
     problem = _problem(backend, array, loss)
     if problem is not None:
         error, reason = problem

@@ -91,10 +91,11 @@ _GUARD = ScalerConfig(min_scale=1.0, max_scale=1.0)
 class GradScaler:
     """Dynamic loss scaler with PyTorch-exact numerics for NumPy and CuPy arrays.
 
-    A step is: ``scale_loss(loss)`` (once per loss; a step is open from the
-    first call), the backward pass, one or more ``unscale_and_check(gradients)``
-    calls on disjoint gradients, the optimizer step if they all returned True,
-    then ``update()``. Calls on one scaler from several threads are serialized.
+    A step is: ``scale_loss(loss)`` (once per loss; a step opens at the
+    first call, and a gradient call without one is refused), the backward
+    pass, one or more ``unscale_and_check(gradients)`` calls on disjoint
+    gradients, the optimizer step if they all returned True, then
+    ``update()``. Calls on one scaler from several threads are serialized.
 
     The update rule (``scale`` is float32; products are rounded to float32)::
 
@@ -120,7 +121,7 @@ class GradScaler:
         backoff_factor: Strictly between 0 and 1.
         growth_interval: Clean steps in a row before growing, an int >= 1.
         enabled: When False every call is a no-op (arguments are still validated)
-            and ``scale_factor()`` is 1.0.
+            and ``scale_factor()`` is 1.0; a step then needs no ``scale_loss``.
         min_scale: Floor after a backoff (float32, >= SMALLEST_SCALE), or None for none.
         max_scale: Ceiling after a growth (float32, >= min_scale), or None for none.
         hysteresis: Overflowing steps before a backoff, an int >= 1 (refilled on growth).
@@ -129,9 +130,11 @@ class GradScaler:
             or any :class:`~cupy_amp.distributed.OverflowVote`. Every
             ``unscale_and_check`` then all-reduces the overflow flag (MAX) before
             reading it, so all ranks skip and adapt together. Every rank must make
-            the same calls and agree on ``enabled`` (a rank without gradients
-            passes an empty list); a call that fails on one rank, whatever the
-            reason, still votes "overflow", so every rank skips that step.
+            the same calls (``scale_loss`` included) and agree on ``enabled`` (a
+            rank without gradients passes an empty list); a call whose arguments
+            fail on one rank, whatever the reason, still votes "overflow", so every
+            rank skips that step. A call the call order refuses (no ``scale_loss``
+            in the step) is refused alike on every rank and joins nothing.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -172,6 +175,8 @@ class GradScaler:
 
         For bfloat16 (or float32) training, which needs no loss scaling but must
         still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
+        Its steps need no ``scale_loss``: every scaler whose ``min_scale`` and
+        ``max_scale`` are both 1 (so its scale is 1 for good) is exempt from that rule.
         """
         return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
@@ -205,14 +210,20 @@ class GradScaler:
     def scale_loss(self, loss: Any) -> None:
         """Multiply ``loss`` by the scale in place, allocating no new array; this opens a step.
 
-        float16/float32 losses are multiplied in float32 and rounded back (an
-        fp16 loss can become inf: the step will then show an overflow);
-        float64 losses in float64. Call it once per loss (several times per
+        Call it before the backward pass, which must start from the scaled
+        loss: the gradient calls of a step refuse to run without it (unless
+        the scale is fixed at 1: a guard, or while disabled). float32 losses
+        are multiplied in float32, float64 losses in float64; a float16 loss
+        is refused (times the scale it would be inf in float16; compute the
+        loss in float32, as PyTorch's ``scale()`` promotes it), on every
+        scaler, guards and disabled ones too, so that a loop does not break
+        when scaling is turned on. Call it once per loss (several times per
         step with gradient accumulation). The argument is validated even while
         disabled; disabled, nothing else happens. Never synchronizes the device.
 
         Raises:
-            GradientTypeError: ``loss`` is not a NumPy/CuPy float16/32/64 array.
+            GradientTypeError: ``loss`` is not a NumPy/CuPy float32/64 array
+                (float16 and bfloat16 losses are refused).
             GradientValueError: ``loss`` is read-only, misaligned or repeats elements.
             ScalerProtocolError: The previous step's gradients were unscaled but
                 ``update()`` was not called.
@@ -251,6 +262,8 @@ class GradScaler:
         backs off.
 
         Raises:
+            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1),
+                or ``check()`` already read this step's gradients; nothing is touched.
             GradientTypeError: Not an iterable/mapping of supported float arrays,
                 or NumPy and CuPy arrays mixed.
             GradientValueError: A read-only, misaligned or self-overlapping array;
@@ -301,7 +314,8 @@ class GradScaler:
         Raises:
             ConfigError: ``max_norm`` is not None or a positive float32 number, or the
                 communicator cannot sum (no ``reduce_sum``).
-            ScalerProtocolError: Gradients were already checked or unscaled in this step.
+            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
+                gradients were already checked or unscaled in this step; nothing is touched.
             GradientValueError: Gradients on several devices.
             CommunicatorError: The all-reduce failed or answered an impossible count.
             As ``unscale_and_check`` for other bad gradients.

@@ -6,6 +6,8 @@ then ``update()``. :class:`Step` owns what every step shares, whichever face
 drives it and wherever its state lives:
 
 - the phase, one variable (:data:`IDLE`, :data:`SCALED`, :data:`UNSCALED`, :data:`INSPECTED`);
+- the call-order rules, among them that a step opens at ``scale_loss`` (unless the scale is fixed at 1:
+  :func:`scale_fixed_at_one`);
 - the lock that serializes a scaler's calls, and the refusal of a call made
   from inside one of its own calls;
 - the step's claims on gradient memory and its per-call records;
@@ -42,6 +44,7 @@ __all__ = [
     "StateSet",
     "Step",
     "check_call",
+    "scale_fixed_at_one",
     "unscale_call",
     "where",
 ]
@@ -159,8 +162,23 @@ class Step:
         """Enter the phase of a scaled loss (after :meth:`refuse_scale_loss`)."""
         self.phase = SCALED
 
-    def refuse_gradient_call(self, phase: str) -> None:
-        """Refuse a gradient call of kind ``phase`` (UNSCALED or INSPECTED) where this step cannot take it."""
+    def refuse_gradient_call(self, phase: str, config: ScalerConfig) -> None:
+        """Refuse a gradient call of kind ``phase`` (UNSCALED or INSPECTED) where this step cannot take it.
+
+        A step opens at ``scale_loss``: a gradient call with no ``scale_loss`` before it in the step is
+        refused, unless ``config`` fixes the scale at 1 (:func:`scale_fixed_at_one`), where an unscaled loss
+        seeds the same backward pass as a scaled one.
+        """
+        if self.phase == IDLE and not scale_fixed_at_one(config):
+            name = "unscale_and_check()" if phase == UNSCALED else "check()"
+            raise ScalerProtocolError(
+                f"{name} was called in a step that had no scale_loss(): call scaler.scale_loss(loss) before the "
+                "backward pass, so that the backward pass is seeded with the scale. Gradients of a backward pass "
+                "not seeded with it would come back scale times too small (1.5e-5 times their value at the "
+                "default scale 65536). Where backward() seeds itself with ones (Chainer), scale the seed: "
+                "loss.grad = xp.ones_like(loss.array); scaler.scale_loss(loss.grad); loss.backward(). A scaler "
+                "whose scale is fixed at 1 (guard(), a disabled GradScaler) needs no scale_loss()."
+            )
         if self.phase == INSPECTED and phase == UNSCALED:
             raise ScalerProtocolError(
                 "unscale_and_check() was called after check() in the same step: check() already read this step's "
@@ -204,15 +222,23 @@ class Step:
     ) -> tuple[Call, State]:
         """Run one gradient call: validate, claim, open the step, run, record; any failure is accounted for.
 
-        A call refused while validating changes nothing and joins nothing
-        without a communicator; with one, the other ranks wait in its
-        collective, so it counts as an overflow and joins as one. A call that
-        fails once it may have written counts as an overflow and joins (once)
-        if it had not. Every failure of a ``check()`` leaves every statistics
-        record saying "skip". A refused configuration (``ConfigError``) is
-        refused alike on every rank: nobody joins.
+        A call refused by the call-order rules (:meth:`refuse_gradient_call`:
+        no ``scale_loss`` in the step, ``check()`` after another gradient
+        call) changes nothing and joins nothing, with a communicator too:
+        every rank refuses it alike. A call refused while validating its
+        arguments changes nothing and joins nothing without a communicator;
+        with one, the other ranks wait in its collective, so it counts as an
+        overflow and joins as one. A call that fails once it may have
+        written counts as an overflow and joins (once) if it had not. Every
+        failure of a ``check()`` leaves every statistics record saying
+        "skip". A refused configuration (``ConfigError``) is refused alike on
+        every rank: nobody joins.
         """
-        self.refuse_gradient_call(phase)
+        # Call-order refusals come first and join nothing, with a communicator too (as a ConfigError): every
+        # rank makes the same calls in the same order, so every rank refuses the same call and none waits in
+        # its collective. Joining as an overflow would count a skip and back off the scale for a step that
+        # never opened (its loss was never scaled), where a refusal must change nothing.
+        self.refuse_gradient_call(phase, states.config)
         try:
             call, state = parse()
             claims = self.claims if self.phase == UNSCALED else StepClaims()
@@ -293,6 +319,17 @@ class Step:
     def culprit_labels(self, read: Callable[[Record], tuple[int, ...]]) -> list[Hashable]:
         """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
         return [record.labels[position] for record in self.records for position in read(record)]
+
+
+def scale_fixed_at_one(config: ScalerConfig) -> bool:
+    """Return whether ``config`` fixes the scale at 1, so that a step needs no ``scale_loss``.
+
+    That is ``min_scale == max_scale == 1``: the scale always lies inside the clamps, so it is 1 and
+    never moves. Guard scalers (``guard()``) and a disabled ``GradScaler`` (whose steps run on such a
+    configuration) are these; ``min_scale=None, max_scale=1`` is not (a backoff takes the scale below 1).
+    Reads the configuration only (never the state, which may be on a device).
+    """
+    return config.min_scale == 1.0 and config.max_scale == 1.0
 
 
 def where(device: int) -> str:

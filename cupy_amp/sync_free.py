@@ -74,6 +74,7 @@ class SyncFreeGradScaler:
 
         For bfloat16 (or float32) training, which needs no loss scaling but must
         still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
+        Its steps need no ``scale_loss``, as :meth:`GradScaler.guard`'s.
         """
         return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
@@ -134,6 +135,10 @@ class SyncFreeGradScaler:
     def scale_loss(self, loss: Any) -> None:
         """Multiply ``loss`` in place by the scale, read on the device; this opens a step. Never synchronizes.
 
+        As :meth:`GradScaler.scale_loss`: call it before the backward pass (the
+        gradient calls refuse a step without it, unless the scale is fixed at 1);
+        float16 losses are refused.
+
         Raises:
             GradientTypeError, GradientValueError: As :meth:`GradScaler.scale_loss`, or
                 a loss not where the scaler's state is.
@@ -161,7 +166,8 @@ class SyncFreeGradScaler:
         optimizer's update with it; ``bool(verdict)`` reads it (synchronizes).
 
         Raises:
-            As :meth:`GradScaler.unscale_and_check`; also GradientValueError for
+            As :meth:`GradScaler.unscale_and_check` (ScalerProtocolError without a
+                ``scale_loss`` in the step, unless a guard); also GradientValueError for
             arrays on a device other than the state's, and ScalerProtocolError for
             gradients not yet prepared while a CUDA graph is being captured.
         """
@@ -199,7 +205,8 @@ class SyncFreeGradScaler:
         Raises:
             ConfigError: ``max_norm`` is not None or a positive float32 number, or the
                 communicator cannot sum (no ``reduce_sum``).
-            ScalerProtocolError: Gradients were already checked or unscaled in this step.
+            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
+                gradients were already checked or unscaled in this step; nothing is touched.
             As ``unscale_and_check`` for bad gradients.
         """
         limit = expect_max_norm(max_norm)

@@ -11,7 +11,17 @@ import pytest
 
 from cupy_amp import GradScaler, SyncFreeGradScaler
 
-__all__ = ["FACES", "GRAD_SCALER", "SYNC_FREE", "Face", "assert_same_bits", "bits", "capture", "saved_arrays"]
+__all__ = [
+    "FACES",
+    "GRAD_SCALER",
+    "SYNC_FREE",
+    "Face",
+    "assert_same_bits",
+    "bits",
+    "capture",
+    "open_step",
+    "saved_arrays",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,17 @@ GRAD_SCALER = Face("GradScaler", GradScaler)
 SYNC_FREE = Face("SyncFree", SyncFreeGradScaler)
 # For @pytest.mark.parametrize("face", FACES) where a fixture cannot be used (Hypothesis); else the `face` fixture.
 FACES = [pytest.param(GRAD_SCALER, id=GRAD_SCALER.name), pytest.param(SYNC_FREE, id=SYNC_FREE.name)]
+
+
+def open_step(scaler: Any, xp: Any = np) -> Any:
+    """Open a step as the protocol asks: ``scaler.scale_loss`` of a float32 loss (of ``xp``, NumPy or CuPy).
+
+    For tests whose subject is what comes after (the gradient calls, ``update()``): the loss's value is
+    never read. With CuPy gradients pass ``xp=cupy``, so that the loss lives where the scaler's state does
+    (on the current device). Returns ``scaler``, for a scaler built in the same expression.
+    """
+    scaler.scale_loss(xp.ones((), dtype=xp.float32))
+    return scaler
 
 
 def bits(array: Any) -> np.ndarray:

@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import open_step
 
 from cupy_amp import ConfigError, CupyAmpError, GradScaler
 from cupy_amp.rule import SMALLEST_SCALE
@@ -188,6 +189,7 @@ def test_clamps_are_held_in_float32() -> None:
     ckpt = scaler.checkpoint()
     assert ckpt.min_scale == float(np.float32(0.1))
     assert ckpt.max_scale == float(np.float32(1.1))
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(1, np.float32)])
     scaler.update()
     assert scaler.stats().scale == float(np.float32(1.1))

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
-from helpers import Face
+from helpers import Face, open_step
 
 from cupy_amp import (
     CommunicatorError,
@@ -39,6 +39,7 @@ def test_a_call_rejected_on_one_rank_skips_the_step_on_every_rank_alike(face: Fa
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
         scaler = face(init_scale=1024.0, comm=FakeVote(world, rank))
         grads: list[Any] = [np.ones(2, np.float32)]
+        open_step(scaler)
         if rank == 0:
             grads.append(np.ones(2, np.int32))  # a bug in this rank's training loop
             with pytest.raises(GradientTypeError):
@@ -73,6 +74,7 @@ def test_a_failure_after_the_gradients_were_written_votes_overflow_once(
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
         scaler = face(init_scale=1024.0, comm=FakeVote(world, rank))
         grads = [np.full(2, 2048.0, np.float32), np.full(2, 2048.0, np.float32)]
+        open_step(scaler)  # before arming: scale_loss multiplies too
         failing_rank.fail_after_first = rank == 0
         try:
             outcome: Any = face.ok(scaler.unscale_and_check(grads))
@@ -127,6 +129,7 @@ def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skip
     vote = RaisingVote()
     scaler = face(init_scale=4.0, comm=vote)
     grads = [np.full(2, 8.0, np.float32)]
+    open_step(scaler)
     with pytest.raises(CommunicatorError, match="peer reset") as info:
         scaler.unscale_and_check(grads)
     assert isinstance(info.value.__cause__, ConnectionError)
@@ -146,6 +149,7 @@ def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skip
 def test_an_answer_that_is_not_a_bool_is_a_communicator_error(face: Face, answer: Any) -> None:
     vote = AnsweringVote(answer)
     scaler = face(init_scale=4.0, comm=vote)
+    open_step(scaler)
     with pytest.raises(CommunicatorError, match="expected a bool"):
         scaler.unscale_and_check([np.full(2, 8.0, np.float32)])
     assert vote.calls == 1
@@ -157,6 +161,7 @@ def test_an_answer_that_is_not_a_bool_is_a_communicator_error(face: Face, answer
 @pytest.mark.parametrize("answer", [False, np.bool_(False)])
 def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face, answer: Any) -> None:
     scaler = face(init_scale=4.0, comm=AnsweringVote(answer))  # the others say "all finite"
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)})) is False
     assert scaler.nonfinite_gradients() == ["w"]
     assert scaler.stats().last_overflow == "local"
@@ -168,6 +173,7 @@ def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face,
 def test_an_error_of_the_overflow_vote_does_not_hide_the_original_error(face: Face) -> None:
     vote = RaisingVote()
     scaler = face(init_scale=4.0, comm=vote)
+    open_step(scaler)
     with pytest.raises(GradientTypeError, match="int32") as info:
         scaler.unscale_and_check([np.ones(2, np.int32)])
     assert isinstance(info.value, CupyAmpError)

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
-from helpers import Face
+from helpers import Face, open_step
 from reference_model import RefConfig, RefScaler
 
 from cupy_amp import (
@@ -153,11 +153,12 @@ LAYOUTS: list[tuple[Layout, ...]] = [
 def train(
     face: Face, scaler: Any, rank: int, calls: Sequence[CallGradients], steps: Sequence[Step]
 ) -> list[StepRecord]:
-    """Run ``steps`` on one rank: fill, unscale_and_check per call, update; record what the rank saw."""
+    """Run ``steps`` on one rank: scale_loss, fill, unscale_and_check per call, update; record what the rank saw."""
     records = []
     for step in steps:
         scale = scaler.scale_factor()
         results = []
+        open_step(scaler)
         for poison, call in zip(step, calls, strict=True):
             mine = poison.get(rank, ())
             call.fill(scale, mine)
@@ -490,6 +491,7 @@ def test_ranks_disagreeing_on_enabled_fail_fast_instead_of_hanging() -> None:
     # What the rule above prevents: the enabled rank waits in a vote the disabled rank never joins.
     def body(world: FakeWorld, rank: int) -> bool:
         scaler = GradScaler(enabled=rank == 0, comm=FakeVote(world, rank), **CONFIG)
+        open_step(scaler)
         return scaler.unscale_and_check([np.ones(2, np.float32)])
 
     start = time.monotonic()

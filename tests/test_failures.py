@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Face
+from helpers import Face, open_step
 
 from cupy_amp import DuplicateGradientError, numpy_backend
 
@@ -69,6 +69,7 @@ def test_interrupt_half_way_through_400_arrays_divides_none_twice(
 ) -> None:
     scaler = face(init_scale=4.0)
     grads = [np.full(3, 8.0, np.float32) for _ in range(400)]
+    open_step(scaler)  # before arming: scale_loss multiplies too
     fail_multiply(200, KeyboardInterrupt())
     with pytest.raises(KeyboardInterrupt):
         scaler.unscale_and_check(grads)
@@ -81,6 +82,7 @@ def test_interrupt_half_way_through_400_arrays_divides_none_twice(
     assert [float(g[0]) for g in grads] == [2.0] * 200 + [8.0] * 200
     scaler.update()
     assert (scaler.stats().skipped_steps, scaler.scale_factor()) == (1, 2.0)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(grads)) is True  # the next step may use them again
 
 
@@ -94,6 +96,7 @@ def test_a_failure_after_unscaling_counts_the_call_as_an_overflow(
     scaler = face(init_scale=4.0, backoff_factor=0.5)
     grads = [np.full(3, 8.0, np.float32)]
     fail_result["error"] = error
+    open_step(scaler)
     with pytest.raises(type(error)):
         scaler.unscale_and_check(grads)
     fail_result["error"] = None
@@ -111,6 +114,7 @@ def test_a_failure_after_unscaling_a_later_call_keeps_the_earlier_calls_and_skip
 ) -> None:
     scaler = face(init_scale=4.0, backoff_factor=0.5)
     first, second = [np.full(3, 8.0, np.float32)], [np.full(3, 8.0, np.float32)]
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(first))
     fail_result["error"] = ERRORS[0]
     with pytest.raises(DeviceLost):
@@ -125,10 +129,12 @@ def test_a_failure_after_unscaling_a_later_call_keeps_the_earlier_calls_and_skip
 
 def test_previous_step_results_stay_until_a_new_step_records_a_call(face: Face, fail_result: dict[str, Any]) -> None:
     scaler = face(init_scale=4.0)
+    open_step(scaler)
     assert not face.ok(scaler.unscale_and_check([np.array([np.inf], np.float32)]))
     scaler.update()
     assert scaler.had_overflow() and scaler.nonfinite_gradients() == [0]
     fail_result["error"] = ERRORS[0]
+    open_step(scaler)
     with pytest.raises(DeviceLost):
         scaler.unscale_and_check([np.ones(2, np.float32)])
     # The failed call opened a new step, which counts as overflowed; its culprits are unknown.
@@ -145,6 +151,7 @@ class ArithmeticRefused(np.ndarray):
 def test_a_subclass_is_unscaled_on_its_data_never_through_its_own_arithmetic(face: Face) -> None:
     grad = np.full(4, 8.0, np.float32).view(ArithmeticRefused)
     scaler = face(init_scale=4.0)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([grad])) is True
     assert grad.view(np.ndarray).tolist() == [2.0] * 4
 
@@ -153,6 +160,7 @@ def test_a_masked_array_is_judged_on_its_data_inf_under_the_mask_included(face: 
     grad = np.ma.masked_array(np.array([1.0, np.inf, 3.0], np.float32), mask=[False, True, False])
     assert bool(np.isfinite(grad).all())  # what the mask shows
     scaler = face(init_scale=2.0)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check({"w": grad})) is False  # what the memory holds
     assert scaler.nonfinite_gradients() == ["w"]
     assert grad.data.tolist() == [0.5, np.inf, 1.5]

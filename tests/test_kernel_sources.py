@@ -143,11 +143,13 @@ assert grads[0].tolist() == [2.0] * 4 and grads[2].tolist() == [1.0] * 3, grads
 scaler.update()
 assert scaler.scale_factor() == 16.0
 grads[0][1] = np.inf
+scaler.scale_loss(np.array(1.0, dtype=np.float32))
 assert scaler.unscale_and_check(grads) is False
 assert scaler.nonfinite_gradients() == [0]
 scaler.update()
 assert scaler.scale_factor() == 8.0
 named = GradientSet({"w": np.full(2, 8.0, dtype=np.float32)})
+scaler.scale_loss(np.array(1.0, dtype=np.float32))
 assert scaler.unscale_and_check(named) is True
 assert list(named)[0].tolist() == [1.0, 1.0]
 scaler.update()
@@ -162,6 +164,7 @@ class CudaLooking:
     __cuda_array_interface__ = {"shape": (1,), "typestr": "<f4", "data": (0, False), "version": 3}
 
 
+scaler.scale_loss(np.array(1.0, dtype=np.float32))
 try:
     scaler.unscale_and_check([CudaLooking()])
 except GradientTypeError as exc:

@@ -15,7 +15,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
-from helpers import assert_same_bits
+from helpers import assert_same_bits, open_step
 
 from cupy_amp import GradScaler, SyncFreeGradScaler
 from cupy_amp.errors import (
@@ -129,6 +129,7 @@ def test_skipped_steps_match_torch_grad_scaler_and_adamw() -> None:
         grads = [(rng.standard_normal(s) * 2.0**10).astype(np.float32) for s in SHAPES]
         if step % 13 in (3, 4):
             grads[step % 3].reshape(-1)[step % 5] = np.inf if step % 2 else np.nan
+        open_step(our_scaler)
         ours.step(grads, our_scaler.check(grads))
         our_scaler.update()
         their_scaler.scale(torch.ones(()))  # sets up its scale, as scaling a loss does
@@ -149,11 +150,13 @@ def test_a_skipped_step_changes_nothing_and_gradients_are_never_written(scaler_c
     opt = optimizer(weights)
     scaler = scaler_class()
     grads = params(6, np.float16)
+    open_step(scaler)
     opt.step(grads, scaler.check(grads, max_norm=1.0))
     scaler.update()
     saved, state = [w.copy() for w in weights], opt.state_dict()
     grads[1][7] = np.nan
     kept = [g.copy() for g in grads]
+    open_step(scaler)
     opt.step(grads, scaler.check(grads, max_norm=1.0))
     scaler.update()
     assert opt.state_dict() == state and opt.step_count == 1
@@ -178,6 +181,7 @@ def test_the_clip_coefficient_and_inverse_scale_multiply_the_gradient_inside_the
     weights, expected = params(8), params(8)
     grads = [g * np.float32(64) for g in params(9)]
     scaler = GradScaler(init_scale=64.0)
+    open_step(scaler)
     stats = scaler.check(grads, max_norm=0.5)
     SGD(weights, lr=0.1).step(grads, stats)
     factor = np.float32(stats.source["factor"])
@@ -333,6 +337,7 @@ def state_digest(make: Any, dtype: Any) -> str:
         grads = [(ramp(s, 100 + 3 * step + i) * np.float32(2**10)).astype(dtype) for i, s in enumerate(SHAPES)]
         if step in (7, 8):
             grads[step % 3].reshape(-1)[step] = np.inf
+        open_step(scaler)
         opt.step(grads, scaler.check(grads))
         scaler.update()
     assert opt.step_count == 38

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import open_step
 from interrupts import interrupted
 
 from cupy_amp import GradScaler
@@ -82,9 +83,11 @@ class Run:
         scaler = GradScaler(init_scale=2.0**8)
         for seed in range(steps):
             grads = [g * dtype(2**8) for g in make_params(dtype, 1 + seed)]
+            open_step(scaler)
             self.opt.step(grads, scaler.check(grads, max_norm=5.0))
             scaler.update()
         self.grads = [g * dtype(2**8) for g in make_params(dtype, 1 + steps)]
+        open_step(scaler)
         self.stats = scaler.check(self.grads, max_norm=5.0)
 
     def step(self) -> None:

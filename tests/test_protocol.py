@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import GRAD_SCALER, SYNC_FREE, Face
+from helpers import GRAD_SCALER, SYNC_FREE, Face, open_step
 from reference_model import identical, same_bits, unscaled
 
 from cupy_amp import (
@@ -53,6 +53,7 @@ def read_only(array: np.ndarray) -> np.ndarray:
 def grads_with_history(face: Face = GRAD_SCALER) -> tuple[Any, list[np.ndarray]]:
     """A scaler that has run one overflowing step, so a reset of its state would show."""
     scaler = face(init_scale=1024.0, growth_interval=3, hysteresis=2)
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(2, np.float32), np.array([np.inf], np.float32)])
     scaler.update()
     grads = [
@@ -101,7 +102,7 @@ def test_scale_loss_rejects_non_float_arrays(face: Face, dtype: type) -> None:
     assert snapshot(scaler) == before
 
 
-@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])  # float16 losses are refused whatever their flags
 def test_scale_loss_rejects_read_only_arrays(face: Face, dtype: type) -> None:
     scaler, _ = grads_with_history(face)
     loss = read_only(np.array(1.5, dtype=dtype))
@@ -129,7 +130,7 @@ def test_scale_loss_works_in_place_and_returns_none(face: Face) -> None:
 
 def test_scale_loss_while_disabled_is_a_no_op() -> None:
     scaler = GradScaler(init_scale=8.0, enabled=False)
-    loss = np.array([1.5, np.inf], np.float16)
+    loss = np.array([1.5, np.inf], np.float32)
     saved = loss.copy()
     before = snapshot(scaler)
     assert scaler.scale_loss(loss) is None
@@ -154,6 +155,7 @@ def test_int_array_at_the_end_leaves_the_float_arrays_untouched(face: Face) -> N
     arg = [*grads, np.arange(3, dtype=np.int32)]
     saved = copies(arg)
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ArgumentTypeError, TypeError)
@@ -173,6 +175,7 @@ def test_non_array_entry_is_refused(face: Face, bad: Any) -> None:
     arg = [grads[0], None, bad, grads[1]]
     saved = copies([grads[0], None, None, grads[1]])
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ArgumentTypeError, TypeError)
@@ -185,6 +188,7 @@ def test_non_float_entry_of_a_mapping_is_named(face: Face) -> None:
     scaler, grads = grads_with_history(face)
     arg = {"fc1.W": grads[1], "fc1.b": np.ones(3, np.int64)}
     saved = copies(list(arg.values()))
+    open_step(scaler)
     with pytest.raises(GradientTypeError, match=r"'fc1\.b'"):
         scaler.unscale_and_check(arg)
     assert_untouched(list(arg.values()), saved)
@@ -196,6 +200,7 @@ def test_single_array_instead_of_a_list_is_refused(face: Face, dtype: type) -> N
     grad = np.array([[1.0, 2.0], [np.inf, 4.0]], dtype=dtype)
     saved = grad.copy()
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(grad)
     assert_error(info, ArgumentTypeError, TypeError)
@@ -208,6 +213,7 @@ def test_single_array_instead_of_a_list_is_refused(face: Face, dtype: type) -> N
 def test_non_iterable_argument_is_refused(face: Face, arg: Any) -> None:
     scaler, _ = grads_with_history(face)
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ArgumentTypeError, TypeError)
@@ -219,6 +225,7 @@ def test_read_only_gradient_is_refused(face: Face) -> None:
     arg = [grads[0], grads[1], read_only(np.array([1.0, 2.0], np.float32))]
     saved = copies(arg)
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientValueError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, GradientValueError, ValueError)
@@ -231,6 +238,7 @@ def test_read_only_gradient_is_refused(face: Face) -> None:
 def test_broadcast_view_is_refused_as_read_only(face: Face) -> None:
     scaler = face()
     base = np.ones(3, np.float32)
+    open_step(scaler)
     with pytest.raises(GradientValueError):
         scaler.unscale_and_check([np.broadcast_to(base, (4, 3))])
     assert base.tolist() == [1.0, 1.0, 1.0]
@@ -241,6 +249,7 @@ def test_same_array_twice_is_refused(face: Face) -> None:
     arg = [grads[1], grads[0], grads[1]]
     saved = copies(arg)
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(DuplicateGradientError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ScalerProtocolError, RuntimeError)
@@ -255,6 +264,7 @@ def test_same_array_under_two_names_is_refused(face: Face) -> None:
     scaler, grads = grads_with_history(face)
     arg = {"encoder.W": grads[2], "decoder.W": grads[2]}
     saved = grads[2].copy()
+    open_step(scaler)
     with pytest.raises(DuplicateGradientError) as info:
         scaler.unscale_and_check(arg)
     assert "'encoder.W'" in str(info.value)
@@ -275,6 +285,7 @@ def test_an_array_whose_elements_overlap_each_other_is_refused(
     tricky = np.lib.stride_tricks.as_strided(base, shape=shape, strides=strides, writeable=True)
     saved = base.copy()
     scaler = face(init_scale=2.0)
+    open_step(scaler)
     with pytest.raises(GradientValueError, match="overlap in memory") as info:
         scaler.unscale_and_check([np.ones(2, np.float32), tricky])
     assert "gradient #1" in str(info.value)
@@ -302,6 +313,7 @@ def test_overlapping_views_are_refused(face: Face, views: Any) -> None:
     arg = [grads[0], *views(base)]
     before = snapshot(scaler)
     saved0 = grads[0].copy()
+    open_step(scaler)
     with pytest.raises(DuplicateGradientError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ScalerProtocolError, RuntimeError)
@@ -328,6 +340,7 @@ def test_disjoint_interleaved_views_are_accepted(face: Face, views: Any) -> None
     scaler = face(init_scale=4.0)
     base = np.arange(10, dtype=np.float32)
     expected = unscaled(base, 4.0)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(views(base))) is True
     assert same_bits(base, expected)  # every element unscaled exactly once
 
@@ -335,12 +348,14 @@ def test_disjoint_interleaved_views_are_accepted(face: Face, views: Any) -> None
 def test_large_strided_disjoint_views_are_accepted(face: Face) -> None:
     scaler = face(init_scale=2.0)
     base = np.ones((256, 64), np.float32)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([base[:, i::8] for i in range(8)])) is True
     assert np.all(base == 0.5)
 
 
 def test_same_array_in_two_calls_of_one_step_is_refused(face: Face) -> None:
     scaler, grads = grads_with_history(face)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([grads[1]])) is True
     after_first = snapshot(scaler)
     fresh = np.array([3.0, np.nan], np.float32)
@@ -361,6 +376,7 @@ def test_same_array_in_two_calls_of_one_step_is_refused(face: Face) -> None:
 def test_overlapping_view_in_a_later_call_of_the_step_is_refused(face: Face) -> None:
     scaler = face()
     base = np.ones(10, np.float32)
+    open_step(scaler)
     scaler.unscale_and_check([base[:6]])
     saved = base.copy()
     with pytest.raises(DuplicateGradientError):
@@ -372,8 +388,10 @@ def test_overlapping_view_in_a_later_call_of_the_step_is_refused(face: Face) -> 
 def test_same_array_may_be_unscaled_again_in_the_next_step(face: Face) -> None:
     scaler = face(init_scale=4.0)
     grad = np.array([8.0], np.float32)
+    open_step(scaler)
     scaler.unscale_and_check([grad])
     scaler.update()
+    open_step(scaler)
     scaler.unscale_and_check([grad])
     assert grad.tolist() == [0.5]
 
@@ -381,6 +399,7 @@ def test_same_array_may_be_unscaled_again_in_the_next_step(face: Face) -> None:
 def test_several_calls_per_step_on_disjoint_sets(face: Face) -> None:
     scaler = face(init_scale=2.0, growth_interval=1)
     a, b, c = np.ones(2, np.float32), np.ones(2, np.float16), np.ones(2, np.float64)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([a])) is True
     assert face.ok(scaler.unscale_and_check({"b": b})) is True
     assert face.ok(scaler.unscale_and_check([None, c])) is True
@@ -393,6 +412,7 @@ def test_several_calls_per_step_on_disjoint_sets(face: Face) -> None:
 def test_validation_error_in_a_later_call_keeps_the_earlier_calls(face: Face) -> None:
     scaler = face(init_scale=2.0)
     first = np.array([np.inf], np.float32)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([first])) is False
     with pytest.raises(GradientTypeError):
         scaler.unscale_and_check([np.ones(1, np.int8)])
@@ -439,6 +459,7 @@ def test_numpy_and_cupy_arrays_mixed_are_refused(face: Face, gpu_first: bool) ->
     arg.insert(0 if gpu_first else 2, _FakeGpuArray())
     saved = copies(grads[:2])
     before = snapshot(scaler)
+    open_step(scaler)
     with pytest.raises(GradientTypeError) as info:
         scaler.unscale_and_check(arg)
     assert_error(info, ArgumentTypeError, TypeError)
@@ -457,6 +478,7 @@ def test_foreign_cpu_tensor_is_refused_with_a_package_error(face: Face) -> None:
     before = snapshot(scaler)
     with pytest.raises(GradientTypeError, match="Tensor"):
         scaler.scale_loss(torch.ones(2))
+    open_step(scaler)
     with pytest.raises(GradientTypeError, match="#3"):
         scaler.unscale_and_check([*grads, torch.ones(2)])
     assert_untouched(grads, saved)
@@ -470,6 +492,7 @@ def test_foreign_cpu_tensor_is_refused_with_a_package_error(face: Face) -> None:
 def test_empty_argument_is_a_clean_check(face: Face, arg: Any) -> None:
     scaler, _ = grads_with_history(face)
     assert scaler.had_overflow() is True
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(arg)) is True
     assert scaler.had_overflow() is False
     assert scaler.nonfinite_gradients() == []
@@ -481,8 +504,10 @@ def test_empty_argument_is_a_clean_check(face: Face, arg: Any) -> None:
 def test_generator_and_tuple_arguments_are_accepted(face: Face) -> None:
     scaler = face(init_scale=2.0)
     a, b = np.ones(2, np.float32), np.ones(2, np.float32)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(g for g in (a, None, b))) is True
     scaler.update()
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check((a, b))) is True
     assert a.tolist() == b.tolist() == [0.25, 0.25]
 
@@ -490,6 +515,7 @@ def test_generator_and_tuple_arguments_are_accepted(face: Face) -> None:
 def test_every_gradient_is_unscaled_even_after_an_overflow(face: Face) -> None:
     scaler = face(init_scale=4.0)
     grads = [np.array([np.inf, 8.0], np.float32), np.array([8.0], np.float16), np.array([np.nan, 4.0])]
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(grads)) is False
     assert grads[0].tolist() == [np.inf, 2.0]
     assert grads[1].tolist() == [2.0]
@@ -557,6 +583,7 @@ def test_gradient_accumulation_misuse_is_caught(face: Face) -> None:
 
 def test_set_enabled_switch_while_a_step_is_open_is_refused() -> None:
     scaler = GradScaler()
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(2, np.float32)])
     before = snapshot(scaler)
     with pytest.raises(ScalerProtocolError) as info:
@@ -572,6 +599,7 @@ def test_set_enabled_switch_while_a_step_is_open_is_refused() -> None:
 
 def test_checkpoint_while_a_step_is_open_is_refused(face: Face) -> None:
     scaler = face()
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(2, np.float32)])
     with pytest.raises(ScalerProtocolError) as info:
         scaler.checkpoint()
@@ -584,6 +612,7 @@ def test_load_checkpoint_while_a_step_is_open_is_refused(face: Face) -> None:
     donor = face(init_scale=2.0, growth_interval=7, hysteresis=3)
     ckpt = donor.checkpoint()
     scaler, grads = grads_with_history(face)
+    open_step(scaler)
     scaler.unscale_and_check([grads[1]])
     before = snapshot(scaler)
     with pytest.raises(ScalerProtocolError) as info:
@@ -698,8 +727,10 @@ def test_misaligned_numpy_arrays_are_refused_as_on_the_gpu(face: Face) -> None:
     raw = np.zeros(40, dtype=np.uint8)
     misaligned = raw[1:33].view(np.float32)
     assert not misaligned.flags.aligned
+    scaler = face()
+    open_step(scaler)
     with pytest.raises(GradientValueError, match="misaligned"):
-        face().unscale_and_check([misaligned])
+        scaler.unscale_and_check([misaligned])
     with pytest.raises(GradientValueError, match="misaligned"):
         face().scale_loss(misaligned)
 
@@ -760,6 +791,7 @@ def test_had_overflow_lifecycle(face: Face) -> None:
     scaler.update()
     assert scaler.had_overflow() is True
     # Step 3: clean.
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is True
     assert scaler.had_overflow() is False
     scaler.update()
@@ -777,6 +809,7 @@ def test_nonfinite_gradients_positions_count_none_entries(face: Face) -> None:
         np.ones(3, np.float64),
         np.array([-np.inf], np.float32),
     ]
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(grads)) is False
     assert scaler.nonfinite_gradients() == [2, 4, 6]
     scaler.update()
@@ -793,6 +826,7 @@ def test_nonfinite_gradients_names_for_a_mapping(face: Face) -> None:
             ("emb", np.array([[1.0], [-np.inf]], np.float64)),
         ]
     )
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check(grads)) is False
     assert scaler.nonfinite_gradients() == ["fc2.b", "emb"]
 
@@ -800,6 +834,7 @@ def test_nonfinite_gradients_names_for_a_mapping(face: Face) -> None:
 def test_nonfinite_gradients_over_several_calls_and_steps(face: Face) -> None:
     scaler = face()
     assert scaler.nonfinite_gradients() == []
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32), np.array([np.inf], np.float32)])) is False
     assert face.ok(scaler.unscale_and_check({"head": np.ones(1, np.float32)})) is False  # the step's verdict so far
     assert face.ok(scaler.unscale_and_check([None, np.array([np.nan], np.float32)])) is False
@@ -807,11 +842,13 @@ def test_nonfinite_gradients_over_several_calls_and_steps(face: Face) -> None:
     assert scaler.nonfinite_gradients() == [1, 1, "tail"]
     scaler.update()
     assert scaler.nonfinite_gradients() == [1, 1, "tail"]  # kept after update()
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([np.ones(1, np.float32)])) is True
     assert scaler.nonfinite_gradients() == []  # the new step started
     assert face.ok(scaler.unscale_and_check({"late": np.array([np.nan], np.float32)})) is False
     assert scaler.nonfinite_gradients() == ["late"]
     scaler.update()
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([])) is True
     scaler.update()
     assert scaler.nonfinite_gradients() == []
@@ -819,8 +856,10 @@ def test_nonfinite_gradients_over_several_calls_and_steps(face: Face) -> None:
 
 def test_nonfinite_gradients_survive_a_rejected_first_call_of_the_next_step(face: Face) -> None:
     scaler = face()
+    open_step(scaler)
     scaler.unscale_and_check([np.array([np.inf], np.float32)])
     scaler.update()
+    open_step(scaler)
     with pytest.raises(GradientTypeError):
         scaler.unscale_and_check([np.ones(1, np.int32)])
     assert scaler.had_overflow() is True

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
-from helpers import assert_same_bits
+from helpers import assert_same_bits, open_step
 
 from cupy_amp import GradScaler, SyncFreeGradScaler, dtypes
 from cupy_amp.dtypes import bfloat16
@@ -33,6 +33,7 @@ def test_the_norm_is_the_unscaled_gradients_norm_within_one_float32_ulp(scaler_c
     grads = gradients(1, dtype)
     before = [g.copy() for g in grads]
     scaler = scaler_class(init_scale=512.0)
+    open_step(scaler)
     stats = scaler.check(grads)
     expected = float64_norm(grads, 1 / 512)
     assert abs(float(stats.norm) - expected) <= float(np.spacing(np.float32(expected)))
@@ -47,7 +48,9 @@ def test_the_clip_coefficient_is_max_norm_over_the_norm_plus_eps_at_most_one(
     scaler_class: type, max_norm: float
 ) -> None:
     grads = gradients(2, np.float32)
-    stats = scaler_class(init_scale=4.0).check(grads, max_norm=max_norm)
+    scaler = scaler_class(init_scale=4.0)
+    open_step(scaler)
+    stats = scaler.check(grads, max_norm=max_norm)
     norm = float(stats.norm)
     assert float(stats.clip_coefficient) == np.float32(min(1.0, max_norm / (norm + 1e-6)))
     assert float(stats.source["factor"]) == np.float32(0.25) * np.float32(stats.clip_coefficient)
@@ -59,6 +62,7 @@ def test_check_reports_every_nonfinite_gradient_and_the_step_is_skipped(scaler_c
     grads[1][3] = np.inf
     grads[3][0] = np.nan
     scaler = scaler_class()
+    open_step(scaler)
     stats = scaler.check({"a": grads[0], "b": grads[1], "c": grads[2], "d": grads[3]})
     assert not bool(stats.finite) and scaler.had_overflow()
     assert sorted(scaler.nonfinite_gradients()) == ["b", "d"]
@@ -71,16 +75,19 @@ def test_check_reports_every_nonfinite_gradient_and_the_step_is_skipped(scaler_c
 def test_check_is_the_steps_only_gradient_call(scaler_class: type) -> None:
     grads = gradients(4, np.float32)
     scaler = scaler_class()
+    open_step(scaler)
     scaler.check(grads[:2])
     with pytest.raises(ScalerProtocolError, match="only gradient call"):
         scaler.check(grads[2:])
     with pytest.raises(ScalerProtocolError, match="after check"):
         scaler.unscale_and_check(grads[2:])
     scaler.update()
+    open_step(scaler)
     scaler.unscale_and_check(grads[:2])
     with pytest.raises(ScalerProtocolError, match="only gradient call"):
         scaler.check(grads[2:])
     scaler.update()
+    open_step(scaler)
     scaler.check(grads)  # a new step
     scaler.update()
     assert scaler.stats().steps == 3
@@ -90,6 +97,7 @@ def test_check_is_the_steps_only_gradient_call(scaler_class: type) -> None:
 @pytest.mark.parametrize("max_norm", [0, -1.0, float("nan"), float("inf"), 1e39, 10**400, "1", True, 1e-45])
 def test_an_invalid_max_norm_is_refused_before_anything_happens(scaler_class: type, max_norm: Any) -> None:
     scaler = scaler_class()
+    open_step(scaler)
     with pytest.raises(ConfigError, match="'max_norm'"):
         scaler.check(gradients(5, np.float32), max_norm=max_norm)
     scaler.unscale_and_check(gradients(5, np.float32))  # the step was not opened
@@ -105,6 +113,7 @@ class MaxOnlyVote(FakeVote):
 def test_check_with_a_communicator_that_cannot_sum_is_refused_before_any_vote(scaler_class: type) -> None:
     world = FakeWorld(1)
     scaler = scaler_class(comm=MaxOnlyVote(world, 0))
+    open_step(scaler)
     with pytest.raises(ConfigError, match="SUM all-reduce"):
         scaler.check(gradients(6, np.float32))
     assert world.vote_count(0) == 0 and world.sums[0] == []
@@ -123,6 +132,7 @@ def test_ranks_with_sharded_gradients_get_the_global_norm_and_one_verdict(scaler
             if step == 1 and rank == 1:
                 grads[2][0, 0] = np.inf
             scale = scaler.scale_factor()
+            open_step(scaler)
             stats = scaler.check(grads, max_norm=1.0)
             seen.append((float(stats.norm) * scale, bool(stats.finite), scaler.had_overflow()))
             scaler.update()
@@ -148,6 +158,7 @@ def test_a_rank_whose_check_fails_still_joins_the_all_reduce_as_overflowed(scale
     def rank_body(world: FakeWorld, rank: int) -> tuple[bool, int]:
         scaler = scaler_class(comm=FakeVote(world, rank))
         grads: list[Any] = gradients(12, np.float32)
+        open_step(scaler)
         if rank == 1:
             grads[1] = "not an array"
             with pytest.raises(GradientTypeError):
@@ -178,6 +189,7 @@ class LyingVote(FakeVote):
 @pytest.mark.parametrize("count", [0.5, -1.0, float("nan"), float("inf")])
 def test_an_impossible_overflow_count_is_an_error_and_the_step_is_skipped(scaler_class: type, count: float) -> None:
     scaler = scaler_class(comm=LyingVote(count))
+    open_step(scaler)
     with pytest.raises(CommunicatorError, match="no such count"):
         scaler.check(gradients(13, np.float32))
     assert scaler.had_overflow()
@@ -300,10 +312,12 @@ def test_after_a_failed_check_the_optimizer_does_not_apply_the_step(scaler_class
     weights = [np.zeros(4, np.float32)]
     optimizer = SGD(weights, lr=1.0)
     grads = [np.ones(4, np.float32)]
+    open_step(scaler)
     stats = scaler.check(grads)
     optimizer.step(grads, stats)
     scaler.update()
     vote.broken = True
+    open_step(scaler)
     with pytest.raises(CommunicatorError, match="peer reset"):
         scaler.check(grads)  # the same record as `stats`: it must now say skip
     with pytest.raises(ScalerProtocolError, match="already closed"):
@@ -321,6 +335,7 @@ def test_a_rank_failing_after_the_step_opened_still_joins_and_counts_the_overflo
 
     def rank_body(world: FakeWorld, rank: int) -> tuple[bool, int]:
         scaler = scaler_class(comm=FakeVote(world, rank))
+        open_step(scaler)
         if rank == 0:  # something fails between opening the step and the all-reduce
             target = scaler._state if scaler_class is SyncFreeGradScaler else scaler._scaling.default
             name = "begin_step"
@@ -359,7 +374,9 @@ def test_the_clip_threshold_is_rounded_to_float32_as_the_gpu_receives_it() -> No
 
     assert expect_max_norm(0.1) == float(np.float32(0.1)) != 0.1
     grads = [np.full(10, 1.0, np.float32)]
-    stats = GradScaler(init_scale=1.0).check(grads, max_norm=0.1)
+    scaler = GradScaler(init_scale=1.0)
+    open_step(scaler)
+    stats = scaler.check(grads, max_norm=0.1)
     expected = np.float32(float(np.float32(0.1)) / (float(np.float32(np.sqrt(10.0))) + 1e-6))
     assert np.float32(stats.clip_coefficient) == expected
 
@@ -378,9 +395,11 @@ def test_a_check_rejected_with_a_communicator_marks_the_previous_record_skipped(
     scaler = scaler_class(comm=FakeVote(FakeWorld(1), 0))
     weights, grads = [np.zeros(4, np.float32)], [np.ones(4, np.float32)]
     optimizer = SGD(weights, lr=1.0)
+    open_step(scaler)
     stats = scaler.check(grads)
     optimizer.step(grads, stats)
     scaler.update()
+    open_step(scaler)
     with pytest.raises(GradientTypeError):
         scaler.check(["not an array"])
     with pytest.raises(ScalerProtocolError, match="already closed"):
@@ -398,13 +417,16 @@ def test_a_failure_while_marking_the_record_still_joins_the_all_reduce() -> None
 
     def rank_body(world: FakeWorld, rank: int) -> str:
         scaler = GradScaler(comm=FakeVote(world, rank))
+        open_step(scaler)
         scaler.check(gradients(17, np.float32))
         scaler.update()
         if rank == 0:
             scaler._scaling.default.stats.skip = Unwritable()
+            open_step(scaler)
             with pytest.raises(RuntimeError, match="device lost"):
                 scaler.check(["not an array"])
             return "failed, joined"
+        open_step(scaler)
         stats = scaler.check(gradients(17, np.float32))
         return "finite" if bool(stats.finite) else "skipped"
 

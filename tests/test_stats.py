@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from helpers import open_step
 
 from cupy_amp import GradScaler, GradScalerStats
 
@@ -29,6 +30,7 @@ def busy_scaler() -> GradScaler:
     scaler = GradScaler(init_scale=1024.0, growth_interval=2, hysteresis=3)
     for overflow in [False, False, False, False, True, True, True, True, False]:
         grad = np.array([np.nan if overflow else 1.0], np.float32)
+        open_step(scaler)
         scaler.unscale_and_check([grad])
         scaler.update()
     return scaler
@@ -81,6 +83,7 @@ def test_stats_is_frozen() -> None:
 def test_stats_is_a_snapshot() -> None:
     scaler = GradScaler(init_scale=8.0, growth_interval=1)
     before = scaler.stats()
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(1, np.float32)])
     scaler.update()
     assert before.scale == 8.0
@@ -151,6 +154,7 @@ def test_str_of_a_live_scaler() -> None:
 def test_last_overflow_of_a_single_process_is_none_or_local(overflow: bool, shown: str) -> None:
     scaler = GradScaler()
     assert scaler.stats().last_overflow == "none"
+    open_step(scaler)
     scaler.unscale_and_check([np.array([np.inf if overflow else 1.0], np.float32)])
     assert scaler.stats().last_overflow == shown
     scaler.update()

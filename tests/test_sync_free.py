@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
-from helpers import assert_same_bits
+from helpers import assert_same_bits, open_step
 
 from cupy_amp import (
     ArgumentTypeError,
@@ -79,6 +79,7 @@ def test_every_step_matches_grad_scaler_bit_for_bit(config: dict[str, Any]) -> N
 
 def test_the_verdict_is_one_array_valid_until_the_next_steps_first_call() -> None:
     scaler = SyncFreeGradScaler(init_scale=4.0)
+    open_step(scaler)
     verdict = scaler.unscale_and_check([np.array([np.inf], np.float32)])
     assert isinstance(verdict, np.ndarray) and verdict.shape == () and verdict.dtype == np.bool_
     assert not verdict
@@ -93,10 +94,12 @@ def test_the_verdict_is_one_array_valid_until_the_next_steps_first_call() -> Non
 def test_apply_if_finite_writes_only_after_a_finite_step() -> None:
     scaler = SyncFreeGradScaler(init_scale=2.0)
     params: list[np.ndarray] = [np.zeros(3, np.float32), np.zeros((2, 2), np.float64)]
+    open_step(scaler)
     scaler.unscale_and_check([np.ones(2, np.float32)])
     scaler.apply_if_finite(params, [np.full(3, 1.5, np.float32), np.full((2, 2), 2.5)])
     scaler.update()
     assert params[0].tolist() == [1.5] * 3 and params[1].tolist() == [[2.5, 2.5]] * 2
+    open_step(scaler)
     scaler.unscale_and_check([np.array([np.nan], np.float32)])
     scaler.apply_if_finite(params, [np.full(3, 9.0, np.float32), np.full((2, 2), 9.0)])
     assert params[0].tolist() == [1.5] * 3 and params[1].tolist() == [[2.5, 2.5]] * 2
@@ -108,6 +111,7 @@ def test_checkpoints_move_between_the_two_scalers_and_resume_alike() -> None:
     rng = random.Random(7)
     reference = GradScaler(init_scale=8.0, growth_interval=2, hysteresis=2)
     for _ in range(5):
+        open_step(reference)
         reference.unscale_and_check(random_gradients(rng, poison=rng.random() < 0.5))
         reference.update()
     sync_free = SyncFreeGradScaler(init_scale=1.0)
@@ -115,6 +119,8 @@ def test_checkpoints_move_between_the_two_scalers_and_resume_alike() -> None:
     assert sync_free.config == reference.config and stats_of(sync_free) == stats_of(reference)
     for _ in range(20):
         grads = random_gradients(rng, poison=rng.random() < 0.4)
+        open_step(sync_free)
+        open_step(reference)
         assert bool(sync_free.unscale_and_check([g.copy() for g in grads])) is reference.unscale_and_check(grads)
         sync_free.update()
         reference.update()
@@ -136,6 +142,7 @@ def test_prepare_returns_a_gradient_set_the_scaler_then_takes() -> None:
     grads = {"w": np.full(2, 4.0, np.float32), "b": np.array([np.inf], np.float32)}
     prepared = scaler.prepare(grads)
     assert isinstance(prepared, GradientSet) and scaler.prepare(prepared) is prepared
+    open_step(scaler)
     assert not scaler.unscale_and_check(prepared)
     assert scaler.nonfinite_gradients() == ["b"]
     assert grads["w"].tolist() == [2.0, 2.0]
@@ -143,6 +150,7 @@ def test_prepare_returns_a_gradient_set_the_scaler_then_takes() -> None:
 
 def test_the_verdict_handed_out_cannot_be_overwritten() -> None:
     scaler = SyncFreeGradScaler()
+    open_step(scaler)
     verdict = scaler.unscale_and_check([np.array([np.inf], np.float32)])
     with pytest.raises(ValueError, match="read-only"):
         verdict[()] = True
@@ -173,9 +181,11 @@ def test_a_failing_state_operation_still_votes_once(
 
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
         scaler = SyncFreeGradScaler(init_scale=8.0, comm=FakeVote(world, rank))
+        open_step(scaler)
         scaler.unscale_and_check([np.ones(2, np.float32)])
         scaler.update()
         grads: list[Any] = [np.ones(2, np.int32 if bad_argument else np.float32)]
+        open_step(scaler)
         if rank == 0:
             scaler._state.armed = True
             with pytest.raises(LaunchFailure):

@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import GRAD_SCALER, SYNC_FREE, Face
+from helpers import GRAD_SCALER, SYNC_FREE, Face, open_step
 
 from cupy_amp import DuplicateGradientError, ScalerProtocolError, numpy_backend
 
@@ -52,6 +52,7 @@ def run_together(*bodies: Any) -> list[Any]:
 def test_two_threads_passing_the_same_list_divide_it_once(face: Face) -> None:
     scaler = face(init_scale=4.0, growth_interval=1000)
     grads = [np.full(3, 8.0, np.float32) for _ in range(4)]
+    open_step(scaler)
     results = run_together(*[lambda: face.ok(scaler.unscale_and_check(grads))] * 2)
     assert sorted(type(result).__name__ for result in results) == ["DuplicateGradientError", "bool"]
     assert True in results
@@ -65,6 +66,7 @@ def test_two_threads_passing_the_same_list_divide_it_once(face: Face) -> None:
 def test_two_threads_with_disjoint_gradients_both_count_in_one_step(face: Face) -> None:
     scaler = face(init_scale=4.0, growth_interval=1000)
     first, second = [np.full(3, 8.0, np.float32)], [np.array([np.inf], np.float32)]
+    open_step(scaler)
     results = run_together(
         lambda: face.ok(scaler.unscale_and_check(first)), lambda: face.ok(scaler.unscale_and_check(second))
     )
@@ -86,6 +88,7 @@ def test_update_from_another_thread_waits_for_the_call_in_flight(face: Face) -> 
         time.sleep(0.03)  # the call has claimed its arrays and is multiplying
         scaler.update()
 
+    open_step(scaler)
     results = run_together(lambda: face.ok(scaler.unscale_and_check(grads)), late_update)
     assert results == [True, None]
     assert scaler.stats().steps == 1
@@ -111,6 +114,7 @@ def test_reading_the_scaler_from_inside_its_own_call_works(face: Face) -> None:
     scaler: Any
     vote = CallbackVote(lambda: (scaler.stats().steps, scaler.had_overflow(), scaler.nonfinite_gradients()))
     scaler = face(init_scale=4.0, comm=vote)
+    open_step(scaler)
     assert face.ok(scaler.unscale_and_check([np.array([np.inf], np.float32)])) is False
     # GradScaler records the call's verdict on the host after its vote; the sync-free face keeps no host record,
     # its had_overflow() reads the state's flag, which this rank's own inf set before the vote. Neither records
@@ -143,6 +147,7 @@ def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(
 
     scaler = face(init_scale=4.0)
     started = time.monotonic()
+    open_step(scaler)
     with pytest.raises(ScalerProtocolError, match="from inside one of its own calls"):
         scaler.unscale_and_check(grads())
     assert time.monotonic() - started < 5

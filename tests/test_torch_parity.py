@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import open_step
 
 from cupy_amp import GradScaler
 
@@ -127,6 +128,7 @@ def test_below_the_smallest_scale_pytorch_makes_finite_gradients_inf_and_we_stop
         grad = np.array([1.0, np.inf, 3.0], dtype=np.float32)
         param.grad = torch.from_numpy(grad.copy())
         theirs.scale(torch.ones(()))
+        open_step(ours)
         ours.unscale_and_check([grad])
         theirs.unscale_(optimizer)
         theirs.step(optimizer)
@@ -140,6 +142,7 @@ def test_below_the_smallest_scale_pytorch_makes_finite_gradients_inf_and_we_stop
     finite_copy = finite.copy()
     param.grad = torch.from_numpy(finite.copy())
     theirs.scale(torch.ones(()))
+    open_step(ours)
     assert ours.unscale_and_check([finite]) is True
     theirs.unscale_(optimizer)
     assert finite.tolist() == [float(np.float32(v * np.float32(1 / SMALLEST_SCALE))) for v in finite_copy]

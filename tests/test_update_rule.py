@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from helpers import open_step
 
 from cupy_amp import GradScaler, GradScalerCheckpoint
 
@@ -14,6 +15,7 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 def step(scaler: GradScaler, overflow: bool) -> None:
     """Run one training step whose gradients do (or do not) hold an inf."""
     grad = np.array([1.0, np.inf if overflow else 2.0, 3.0], dtype=np.float32)
+    open_step(scaler)
     assert scaler.unscale_and_check([grad]) is (not overflow)
     scaler.update()
     assert scaler.had_overflow() is overflow
@@ -276,6 +278,7 @@ def test_scale_without_floor_stops_at_the_smallest_scale_with_a_finite_inverse()
     grad = np.array([1.0, 3.0e38, -(2.0**-100)], dtype=np.float32)
     with np.errstate(over="ignore"):
         expected = grad * np.float32(1.0 / SMALLEST_SCALE)
+    open_step(scaler)
     assert scaler.unscale_and_check([grad]) is True  # finite gradients come back as the float32 products
     assert grad.tobytes() == expected.tobytes()
     scaler.update()
@@ -331,6 +334,7 @@ def test_disabled_update_is_a_no_op() -> None:
 
 def test_several_checks_in_one_step_count_one_step() -> None:
     scaler = GradScaler(init_scale=1024.0, growth_interval=2)
+    open_step(scaler)
     assert scaler.unscale_and_check([np.ones(2, np.float32)]) is True
     assert scaler.unscale_and_check([np.array([np.nan], np.float32)]) is False
     assert scaler.unscale_and_check([np.ones(2, np.float32)]) is False  # the step's verdict so far
@@ -423,6 +427,7 @@ def test_overflow_on_another_rank_only_counts_a_remote_skip() -> None:
 
     def remote_step(local: bool, others: bool) -> None:
         grad = np.array([np.inf if local else 1.0], np.float32)
+        open_step(scaler)
         assert scaler.unscale_and_check([grad]) is not (local or others)
         scaler.update()
         assert scaler.had_overflow() is (local or others)

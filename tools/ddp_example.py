@@ -49,6 +49,7 @@ def train(rank: int, world: int, port: int, steps: int, out: Path) -> None:
         # Forward and backward in fp16, the loss gradient seeded with the scale.
         h = cupy.maximum(x @ w1.astype(cupy.float16), 0)
         out_ = h @ w2.astype(cupy.float16)
+        scaler.scale_loss(cupy.ones((), cupy.float32))  # the loss's seed, d(loss)/d(loss) = 1, times the scale
         seed = (out_ - y) * np.float16(2 * scaler.scale_factor() / out_.size)
         g2 = h.T @ seed
         g1 = x.T @ ((seed @ w2.astype(cupy.float16).T) * (h > 0))

@@ -51,6 +51,11 @@ def stats_row(scaler: GradScaler) -> dict[str, object]:
     return scaler.stats().to_dict()
 
 
+def open_step(scaler: GradScaler) -> None:
+    """Scale a loss, as every step must before its gradient call (tests/helpers.py is not on this path)."""
+    scaler.scale_loss(cupy.ones((), cupy.float32))
+
+
 def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
     """An inf on rank 0 only at scripted steps; every rank must skip and back off identically."""
     scaler = SCALER(init_scale=2.0**10, growth_interval=3, comm=comm)
@@ -60,6 +65,7 @@ def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> 
         grads = {"w": cupy.ones((64, 64), cupy.float16), "b": cupy.ones(64, cupy.float32)}
         if rank == 0 and step in inf_steps:
             grads["w"][5, 7] = cupy.inf
+        open_step(scaler)
         finite = bool(scaler.unscale_and_check(grads))
         results["finite"].append(finite)
         results["culprits"].append(scaler.nonfinite_gradients())
@@ -79,6 +85,7 @@ def no_gradients(rank: int, world: int, comm: object, out: Path) -> dict[str, ob
             grads = [cupy.ones(1000, cupy.float32)]
             if step in (1, 6):
                 grads[0][999] = cupy.nan
+        open_step(scaler)  # a rank without gradients scales its loss too: every rank makes the same calls
         results["finite"].append(bool(scaler.unscale_and_check(grads)))
         scaler.update()
         results["stats"].append(stats_row(scaler))
@@ -103,6 +110,7 @@ def data_parallel(rank: int, world: int, comm: object, out: Path, use_comm: bool
         injected_rank = int(rng.integers(0, world * 4))  # about one step in four, on one rank
         if injected_rank == rank:
             grad[0, 0] = cupy.inf
+        open_step(scaler)
         finite = scaler.unscale_and_check([grad])
         if SCALER is SyncFreeGradScaler:
             scaler.apply_if_finite([weights], [weights - 0.01 * grad.astype(cupy.float32)])
@@ -125,6 +133,7 @@ def checkpoint_rank0_save(rank: int, world: int, comm: object, out: Path) -> dic
         grads = [cupy.ones(100, cupy.float32)]
         if rank == 1 and step == 3:
             grads[0][0] = cupy.inf
+        open_step(scaler)
         scaler.unscale_and_check(grads)
         scaler.update()
     path = out / "scaler.ckpt"
@@ -148,8 +157,11 @@ def captured_remote_overflow(rank: int, world: int, comm: object, out: Path) -> 
         prepared = scaler.prepare([grad])
         step_size = cupy.full((), 0.5, cupy.float32)
         update = cupy.empty_like(weights)
+        loss = cupy.empty((), cupy.float32)  # allocated before the capture
 
         def step() -> None:
+            loss.fill(1.0)
+            scaler.scale_loss(loss)
             scaler.unscale_and_check(prepared)
             cupy.subtract(weights, step_size * grad, out=update)
             scaler.apply_if_finite([weights], [update])
@@ -185,6 +197,7 @@ def sharded_check_adamw(rank: int, world: int, comm: object, out: Path) -> dict[
             grad[17] = cupy.nan
         results["local_sums"].append(float(cupy.sum(grad.astype(cupy.float64) ** 2)))
         scale = scaler.scale_factor()
+        open_step(scaler)
         stats = scaler.check([grad], max_norm=50.0)
         optimizer.step([grad], stats)  # each rank updates the same weights from its own shard here
         results["norms"].append(float(cupy.asnumpy(stats.norm)) * scale)

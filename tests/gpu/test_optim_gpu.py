@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits, capture
+from helpers import assert_same_bits, capture, open_step
 
 cupy = pytest.importorskip("cupy")
 
@@ -70,7 +70,7 @@ def test_the_norm_is_within_one_ulp_of_float64_and_the_same_bits_every_run(scale
     norms = set()
     for _ in range(10):
         scaler = scaler_class(init_scale=1024.0)
-        stats = scaler.check(grads, max_norm=1.0)
+        stats = open_step(scaler, cupy).check(grads, max_norm=1.0)
         norms.add(cupy.asnumpy(stats.norm).tobytes())
         scaler.update()
     assert len(norms) == 1
@@ -90,7 +90,7 @@ def test_check_finds_every_nonfinite_gradient_and_reports_the_step_skipped(scale
     grads[10][5, 6] = cupy.nan
     grads[8].reshape(-1)[-1] = -cupy.inf
     scaler = scaler_class()
-    stats = scaler.check(grads, max_norm=1.0)
+    stats = open_step(scaler, cupy).check(grads, max_norm=1.0)
     assert not bool(stats.finite)
     assert scaler.had_overflow()
     assert sorted(scaler.nonfinite_gradients()) == [3, 8, 10]
@@ -133,7 +133,7 @@ def test_fused_optimizers_match_the_numpy_reference_bit_for_bit(name: str, dtype
         if step in (4, 11):
             host_grads[2][7] = np.inf
         device_grads = as_device(host_grads, misaligned)
-        stats = scaler.check(device_grads, max_norm=None if step % 2 else 5.0)
+        stats = open_step(scaler, cupy).check(device_grads, max_norm=None if step % 2 else 5.0)
         device_opt.step(device_grads, stats)
         host_opt.step(host_grads, host_record(stats))
         scaler.update()
@@ -154,12 +154,12 @@ def test_a_skipped_step_changes_nothing_at_all(name: str) -> None:
     opt = OPTIMIZERS[name](params)
     scaler = SyncFreeGradScaler(init_scale=256.0)
     grads = [cupy.asarray(rng.standard_normal(p.shape).astype(np.float16)) for p in params]
-    opt.step(grads, scaler.check(grads))
+    opt.step(grads, open_step(scaler, cupy).check(grads))
     scaler.update()
     before = opt.state_dict()
     saved = [cupy.asnumpy(p) for p in params]
     grads[0][1] = cupy.nan
-    opt.step(grads, scaler.check(grads))
+    opt.step(grads, open_step(scaler, cupy).check(grads))
     scaler.update()
     assert opt.state_dict() == before
     for p, s in zip(params, saved):
@@ -256,9 +256,11 @@ def test_check_can_be_captured_right_after_prepare() -> None:
     with stream:
         scaler = SyncFreeGradScaler(init_scale=4.0)
         prepared = scaler.prepare(grads)
+        loss = cupy.ones((), cupy.float32)  # allocated before the capture
         stats: list[GradientStats] = []
 
         def step() -> None:
+            scaler.scale_loss(loss)
             stats.append(scaler.check(prepared, max_norm=1.0))
             scaler.update()
 
@@ -297,7 +299,7 @@ def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_cl
     grads = [cupy.asarray(g) for g in host]
     others = OtherRanks(0.0, 12345.0)
     scaler = scaler_class(init_scale=16.0, comm=others)
-    stats = scaler.check(grads, max_norm=1.0)
+    stats = open_step(scaler, cupy).check(grads, max_norm=1.0)
     local = sum(float(np.sum(np.square(g.astype(np.float64)))) for g in host)
     expected = float(np.sqrt(local + 12345.0)) / 16.0
     assert abs(float(cupy.asnumpy(stats.norm)) - expected) <= float(np.spacing(np.float32(expected)))
@@ -306,7 +308,7 @@ def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_cl
     weights = [cupy.zeros_like(g) for g in grads]
     optimizer = SGD(weights, lr=1.0)
     scaler._vote = OtherRanks(1.0, 0.0)  # another rank overflows: every rank skips
-    stats = scaler.check(grads, max_norm=1.0)
+    stats = open_step(scaler, cupy).check(grads, max_norm=1.0)
     optimizer.step(grads, stats)
     assert not bool(stats.finite) and scaler.had_overflow() and scaler.stats().last_overflow == "remote"
     assert optimizer.step_count == 0 and all(not bool(w.any()) for w in weights)
@@ -317,7 +319,7 @@ def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_cl
 @pytest.mark.parametrize("scaler_class", SCALERS)
 def test_an_impossible_count_from_the_all_reduce_skips_the_step_and_is_reported(scaler_class: type) -> None:
     grads = [cupy.asarray(g) for g in gradients(np.random.default_rng(11), "float32", 1.0)]
-    scaler = scaler_class(comm=OtherRanks(0.5, 0.0))
+    scaler = open_step(scaler_class(comm=OtherRanks(0.5, 0.0)), cupy)
     if scaler_class is GradScaler:
         with pytest.raises(CommunicatorError, match="impossible"):
             scaler.check(grads)
@@ -344,11 +346,11 @@ def test_an_optimizer_step_on_another_stream_waits_for_the_check_it_reads() -> N
     first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with first:
         grads[0][0] = cupy.inf
-        optimizer.step(grads, scaler.check(grads))  # skipped: the record says skip
+        optimizer.step(grads, open_step(scaler, cupy).check(grads))  # skipped: the record says skip
         scaler.update()
         grads[0][0] = 1.0
         _SPIN((1,), (1,), (np.int64(500_000_000),))  # about a quarter of a second
-        stats = scaler.check(grads)
+        stats = open_step(scaler, cupy).check(grads)
     with second:
         optimizer.step(grads, stats)
     cupy.cuda.Device().synchronize()
@@ -366,6 +368,7 @@ def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkey
     def broken_finish(self: Any, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError("launch failed")
 
+    open_step(scaler, cupy)
     monkeypatch.setattr(cupy_backend.DeviceStats, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
@@ -376,8 +379,8 @@ def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkey
 def test_the_clip_coefficient_has_the_same_bits_on_the_gpu_and_the_host() -> None:
     host = [np.full(10, 1.0, np.float32), np.arange(7, dtype=np.float32)]
     for max_norm in (0.1, 0.3, 7.7):
-        on_gpu = GradScaler(init_scale=1.0).check([cupy.asarray(g) for g in host], max_norm=max_norm)
-        on_host = GradScaler(init_scale=1.0).check(host, max_norm=max_norm)
+        on_gpu = open_step(GradScaler(init_scale=1.0), cupy).check([cupy.asarray(g) for g in host], max_norm=max_norm)
+        on_host = open_step(GradScaler(init_scale=1.0)).check(host, max_norm=max_norm)
         assert cupy.asnumpy(on_gpu.norm).tobytes() == np.asarray(on_host.norm).tobytes()
         assert cupy.asnumpy(on_gpu.clip_coefficient).tobytes() == np.asarray(on_host.clip_coefficient).tobytes()
 
@@ -401,6 +404,6 @@ def test_a_learning_rate_cannot_change_inside_a_capture() -> None:
 def test_an_empty_check_on_a_gpu_state_reports_no_culprits() -> None:
     scaler = SyncFreeGradScaler()
     scaler.prepare([cupy.ones(4, cupy.float32)])  # the state is on the GPU now
-    stats = scaler.check([])
+    stats = open_step(scaler, cupy).check([])
     assert bool(stats.finite) and scaler.nonfinite_gradients() == []
     scaler.update()

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import assert_same_bits, capture
+from helpers import assert_same_bits, capture, open_step
 
 cupy = pytest.importorskip("cupy")
 
@@ -54,8 +54,8 @@ def test_the_device_rule_follows_next_state_over_10000_random_steps(config: dict
         overflow = rng.random() < 0.35
         if overflow:
             broken[2] = cupy.inf
-        device.unscale_and_check([broken if overflow else clean])
-        reference.unscale_and_check([np.array([np.inf if overflow else 1.0], np.float32)])
+        open_step(device, cupy).unscale_and_check([broken if overflow else clean])
+        open_step(reference).unscale_and_check([np.array([np.inf if overflow else 1.0], np.float32)])
         device.update()
         reference.update()
         trajectory.append(device.scale_factor())
@@ -80,7 +80,7 @@ def test_loss_and_gradients_match_grad_scaler_bit_for_bit(dtype: type) -> None:
         host = [(rng.standard_normal(n) * 100).astype(dtype) for n in (1, 4099, 70_000)]
         if step % 3 == 1:
             host[1][4000] = np.nan
-        loss = cupy.asarray(np.asarray(rng.uniform(1, 3), dtype))
+        loss = cupy.asarray(np.asarray(rng.uniform(1, 3), np.float32 if dtype == np.float16 else dtype))
         ours, theirs = loss.copy(), loss.copy()
         sync_free.scale_loss(ours)
         reference.scale_loss(theirs)
@@ -185,9 +185,11 @@ def test_a_checkpoint_loaded_after_capture_reaches_the_replays() -> None:
         grad = cupy.full(8, 64.0, cupy.float32)
         scaler = SyncFreeGradScaler(init_scale=2.0, growth_interval=1000)
         prepared = scaler.prepare([grad])
+        loss = cupy.ones((), cupy.float32)  # allocated before the capture
+        scaler.scale_loss(loss)
         scaler.unscale_and_check(prepared)
         scaler.update()
-        graph = capture(stream, lambda: (scaler.unscale_and_check(prepared), scaler.update()))
+        graph = capture(stream, lambda: (scaler.scale_loss(loss), scaler.unscale_and_check(prepared), scaler.update()))
         other = GradScaler(init_scale=16.0, growth_interval=1000)
         scaler.load_checkpoint(other.checkpoint())
         grad.fill(64.0)
@@ -200,11 +202,13 @@ def test_work_a_capture_cannot_record_is_refused_with_a_clear_error() -> None:
     stream = cupy.cuda.Stream(non_blocking=True)
     with stream:
         ready = GradientSet([cupy.ones(4, cupy.float32)])
+        loss = cupy.ones((), cupy.float32)
         unbound = SyncFreeGradScaler()
-        with pytest.raises(ScalerProtocolError, match="first placed on the GPU"):
-            capture(stream, lambda: unbound.unscale_and_check(ready))
+        with pytest.raises(ScalerProtocolError, match="first placed on the GPU"):  # by the step's scale_loss
+            capture(stream, lambda: (unbound.scale_loss(loss), unbound.unscale_and_check(ready)))
         bound = SyncFreeGradScaler()
         bound.prepare(ready)
+        bound.scale_loss(loss)  # the step opens before the capture
         fresh = [cupy.ones(5, cupy.float32)]
         with pytest.raises(ScalerProtocolError, match="device tables"):
             capture(stream, lambda: bound.unscale_and_check(fresh))
@@ -235,7 +239,9 @@ def test_the_unscale_reads_a_subnormal_scale_without_flushing_it() -> None:
 
 
 def test_the_state_does_not_move_to_the_gpu_in_the_middle_of_a_step() -> None:
-    scaler = SyncFreeGradScaler(init_scale=4.0)
+    # Only a guard opens a step without scale_loss (whose loss would place the state), so only a guard's
+    # step can begin with no arrays.
+    scaler = SyncFreeGradScaler.guard()
     host_verdict = scaler.unscale_and_check([])  # a step begun with no arrays: its verdict is on the host
     with pytest.raises(ScalerProtocolError, match="in the middle of the step"):
         scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])
@@ -244,16 +250,16 @@ def test_the_state_does_not_move_to_the_gpu_in_the_middle_of_a_step() -> None:
     verdict = scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])  # the next step moves it
     assert isinstance(verdict, cupy.ndarray) and not bool(verdict)
     scaler.update()
-    assert scaler.stats().skipped_steps == 1 and scaler.stats().scale == 2.0
+    assert scaler.stats().skipped_steps == 1 and scaler.stats().scale == 1.0
 
 
 def test_writing_into_the_verdict_does_not_change_the_rule() -> None:
     scaler = SyncFreeGradScaler(init_scale=8.0, growth_interval=1)
-    verdict = scaler.unscale_and_check([cupy.full(2, np.inf, cupy.float32)])
+    verdict = open_step(scaler, cupy).unscale_and_check([cupy.full(2, np.inf, cupy.float32)])
     verdict[()] = True  # a careless in-place op on the returned array
     scaler.update()
     assert scaler.stats().scale == 4.0 and scaler.had_overflow()
-    verdict = scaler.unscale_and_check([cupy.ones(2, cupy.float32)])
+    verdict = open_step(scaler, cupy).unscale_and_check([cupy.ones(2, cupy.float32)])
     verdict &= False
     scaler.update()
     assert scaler.stats().scale == 8.0 and scaler.stats().skipped_steps == 1
@@ -279,7 +285,7 @@ def test_an_answer_that_is_no_maximum_counts_as_an_overflow_and_is_reported(answ
     grad = cupy.ones(2, cupy.float32)
     if poisoned:
         grad[0] = cupy.inf  # this rank's own overflow, which a MIN reduction would hide
-    assert not bool(scaler.unscale_and_check([grad]))
+    assert not bool(open_step(scaler, cupy).unscale_and_check([grad]))
     scaler.update()
     with pytest.raises(CommunicatorError, match="no maximum"):
         scaler.stats()
@@ -294,7 +300,7 @@ def test_float64_gradients_and_losses_keep_subnormal_factors() -> None:
         values = np.array([3.0, -5.5, 1e300, 2.0**-1000], np.float64)
         grad = cupy.asarray(values)
         expected = values.copy()
-        assert bool(device.unscale_and_check([grad])) and host.unscale_and_check([expected])
+        assert bool(open_step(device, cupy).unscale_and_check([grad])) and open_step(host).unscale_and_check([expected])
         assert_same_bits(grad, expected)
         small = scaler_type(init_scale=2.0**-127, min_scale=None)
         loss, expected_loss = cupy.full((), 3.0, cupy.float64), np.full((), 3.0, np.float64)
@@ -309,7 +315,7 @@ def test_work_on_another_stream_waits_for_the_states_last_update() -> None:
     grads = scaler.prepare([cupy.ones(4, cupy.float32)])
     first, second = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
     with second:
-        scaler.unscale_and_check(grads)
+        open_step(scaler, cupy).unscale_and_check(grads)
         spin(200_000_000)  # about 100 ms on an H200: the update below runs late
         scaler.update()  # 4 -> 8
     with first:
