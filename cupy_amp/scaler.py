@@ -10,6 +10,7 @@ from typing import Any, NamedTuple
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
 from cupy_amp.errors import CommunicatorError, ConfigError, GradientValueError
+from cupy_amp.face import Face
 from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, next_state
 from cupy_amp.state import Snapshot, State
@@ -88,7 +89,7 @@ class _Mirror(NamedTuple):
 _GUARD = ScalerConfig(min_scale=1.0, max_scale=1.0)
 
 
-class GradScaler:
+class GradScaler(Face):
     """Dynamic loss scaler with PyTorch-exact numerics for NumPy and CuPy arrays.
 
     A step is: ``scale_loss(loss)`` (once per loss; a step opens at the
@@ -168,17 +169,6 @@ class GradScaler:
     ) -> GradScaler:
         """Build a scaler from the four classic parameters; the rest keep their defaults."""
         return cls(init_scale, growth_factor, backoff_factor, growth_interval)
-
-    @classmethod
-    def guard(cls) -> GradScaler:
-        """Return a scaler whose scale stays 1: the inf/nan check, skip and clipping of ``check()`` without scaling.
-
-        For bfloat16 (or float32) training, which needs no loss scaling but must
-        still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
-        Its steps need no ``scale_loss``: every scaler whose ``min_scale`` and
-        ``max_scale`` are both 1 (so its scale is 1 for good) is exempt from that rule.
-        """
-        return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
     @property
     def config(self) -> ScalerConfig:
@@ -343,26 +333,6 @@ class GradScaler:
 
         lane = self._lane
         return self._step.run(check)
-
-    def step(self, optimizer: Any, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
-        """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
-
-        ``check(gradients, max_norm=max_norm)`` followed by
-        ``optimizer.step(gradients, stats)``: the update unscales and clips
-        inside its pass and does nothing at all after an overflow. Call
-        ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
-        optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
-        parameters' order (a ``GradientSet`` too). Returns the step's
-        statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
-        ``check()`` does.
-
-        Raises:
-            As ``check()`` and the optimizer's ``step()``; the optimizer is not
-            called when the check raises.
-        """
-        stats = self.check(gradients, max_norm=max_norm)
-        optimizer.step(gradients, stats)
-        return stats
 
     def _read(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.

@@ -11,6 +11,7 @@ import numpy as np
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
 from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
+from cupy_amp.face import Face
 from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
 from cupy_amp.scaler import GradScalerStats
@@ -21,7 +22,7 @@ from cupy_amp.step import INSPECTED, UNSCALED, Ballot, Record, StateSet, Step, c
 __all__ = ["SyncFreeGradScaler"]
 
 
-class SyncFreeGradScaler:
+class SyncFreeGradScaler(Face):
     """Dynamic loss scaler whose state and skip decision stay on the GPU: no step waits for the device.
 
     The same update rule, numerics and call order as :class:`~cupy_amp.GradScaler`
@@ -67,16 +68,6 @@ class SyncFreeGradScaler:
         self._step = Step()
         self._cache = CallCache()
         self._bad_votes_reported = 0
-
-    @classmethod
-    def guard(cls) -> SyncFreeGradScaler:
-        """Return a scaler whose scale stays 1: the inf/nan check, skip and clipping of ``check()`` without scaling.
-
-        For bfloat16 (or float32) training, which needs no loss scaling but must
-        still skip a step whose gradients hold inf/nan. Skipped steps are counted as usual.
-        Its steps need no ``scale_loss``, as :meth:`GradScaler.guard`'s.
-        """
-        return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
     @property
     def config(self) -> ScalerConfig:
@@ -227,26 +218,6 @@ class SyncFreeGradScaler:
             return result.for_step(self._step)
 
         return self._step.run(check)
-
-    def step(self, optimizer: Any, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
-        """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
-
-        ``check(gradients, max_norm=max_norm)`` followed by
-        ``optimizer.step(gradients, stats)``: the update unscales and clips
-        inside its pass and does nothing at all after an overflow. Call
-        ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
-        optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
-        parameters' order (a ``GradientSet`` too). Returns the step's
-        statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
-        ``check()`` does.
-
-        Raises:
-            As ``check()`` and the optimizer's ``step()``; the optimizer is not
-            called when the check raises.
-        """
-        stats = self.check(gradients, max_norm=max_norm)
-        optimizer.step(gradients, stats)
-        return stats
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.
