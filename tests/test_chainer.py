@@ -186,6 +186,26 @@ def test_manual_loop_and_update_with_a_loss_function_take_the_same_steps() -> No
     assert runs[0][1].growths >= 1 and runs[0][1].backoffs >= 1  # the scale moved both ways
 
 
+def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_step() -> None:
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+
+    def failing_hook(optimizer: Any) -> None:
+        raise KeyboardInterrupt
+
+    optimizer.add_hook(failing_hook, name="fails", timing="post")
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.update(model, x, t)
+    assert all(param.dtype == np.float16 and param.grad.dtype == np.float16 for param in model.params())
+    assert_same_bits(arrays(model), {name: m.array.astype(np.float16) for name, m in attachment.masters()})
+    assert attachment.scaler.checkpoint().steps == 1  # the step was ended: a checkpoint can be taken
+    optimizer.remove_hook("fails")
+    optimizer.update(model, x, t)
+    assert attachment.scaler.stats().steps == 2
+
+
 # Resuming from a trainer snapshot.
 
 

@@ -49,12 +49,15 @@ import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp.errors import ArgumentTypeError, GradientTypeError, GradientValueError, ScalerProtocolError
 from cupy_amp.scaler import GradScaler
+
+if TYPE_CHECKING:
+    from cupy_amp.chainer.extension import LossScaleExtension
 
 __all__ = ["Attachment", "attach"]
 
@@ -185,8 +188,8 @@ class Attachment:
         self._seed(loss)
         loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
 
-    def extension(self) -> Any:
-        """Return a Trainer extension that reports the scale and serializes the scaler (a LossScaleExtension)."""
+    def extension(self) -> LossScaleExtension:
+        """Return a Trainer extension that reports the scale and serializes the scaler."""
         from cupy_amp.chainer.extension import LossScaleExtension
 
         return LossScaleExtension(self)
