@@ -1,0 +1,397 @@
+"""Attach a :class:`~cupy_amp.GradScaler` to a Chainer 7.8 ``GradientMethod``, through Chainer's own seams.
+
+Chainer's ``GradientMethod.update(lossfun)`` makes the loss, clears the
+gradients, calls ``loss.backward(loss_scale=self._loss_scale)`` (which stamps
+``param._loss_scale`` on every parameter it reaches), then
+``check_nan_in_grads()``, the optimizer's 'pre' hooks, ``is_safe_to_update()``,
+``param.update()`` for each parameter (its ``UpdateRule``), the 'post' hooks
+and ``update_loss_scale()``. :func:`attach` sets these names on the optimizer
+object itself (no subclass), so Chainer's ``update`` runs unchanged around them:
+
+- ``update``: the one call wrapped. It hands Chainer's ``update`` a loss
+  function that seeds its loss (Chainer has no seam between the loss and its
+  backward pass): ``scale_loss`` opens the step on a float32 seed of ones,
+  which becomes the scale; it goes to ``loss.grad`` in the loss's dtype, so
+  Chainer's backward starts from it. A float16 loss whose seed float16 cannot
+  hold is refused before the step opens. After an exception inside the step,
+  the float16 parameters are put back (see below) and the scaler's step is ended.
+- ``_loss_scale``: the scale, so the backward stamps it on the parameters
+  (which shows the backward was seeded with this step's scale) and a manual
+  loop may seed with ``loss.backward(loss_scale=optimizer._loss_scale)``.
+- ``check_nan_in_grads``: one ``unscale_and_check`` over every gradient, by
+  ``namedparams()`` name (one host read per step; the culprits are those
+  names), then the stamps are cleared, so no hook (``WeightDecay``) or update
+  rule corrects for a scale that is gone.
+- ``is_safe_to_update``: that check's verdict; ``update_loss_scale``:
+  ``scaler.update()``, the next scale into ``_loss_scale``, the float16
+  parameters put back.
+- ``loss_scaling`` and ``set_loss_scale``: refuse (two scalers would scale twice).
+
+The unscale of a float16 parameter with an fp32 master (``use_fp32_update()``)
+is the delicate part. Chainer converts ``param.grad`` to float32 inside
+``UpdateRule.update``, after the optimizer's hooks, so a hook sees float16
+gradients; unscaling them in float16 flushes the small ones to zero. Here the
+check unscales a float32 copy of the gradient, and until the end of the step
+the parameter *is* its master (``UpdateRule._fp32_param``, created as Chainer
+creates it when missing): its array is the master's float32 array and its
+gradient the unscaled float32 copy. The hooks (``GradientClipping``,
+``WeightDecay``) see float32 unscaled gradients and master weights; the update
+rule takes its plain float32 path on the master; at the end the parameter
+becomes the master rounded to float16 (after a skipped step: its old array,
+untouched) with its gradient rounded to float16. Other gradients are unscaled
+in place: float32, and float16 without a master (whose update runs in float16
+anyway).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from cupy_amp.errors import ArgumentTypeError, GradientTypeError, GradientValueError, ScalerProtocolError
+from cupy_amp.scaler import GradScaler
+
+if TYPE_CHECKING:
+    from cupy_amp.chainer.extension import LossScaleExtension
+
+__all__ = ["Attachment", "attach"]
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_cupy_amp_attachment"  # the optimizer's attribute that holds its Attachment
+_SEAMS = ("update", "check_nan_in_grads", "is_safe_to_update", "update_loss_scale", "loss_scaling", "set_loss_scale")
+_FLOAT16_MAX = float(np.finfo(np.float16).max)
+
+
+def _chainer() -> Any:
+    try:
+        import chainer
+    except ImportError as exc:
+        raise ImportError(
+            f"cupy_amp.chainer needs Chainer (pip install chainer==7.8.1, with NumPy < 2): {exc}"
+        ) from exc
+    return chainer
+
+
+class _Master(NamedTuple):
+    """A float16 parameter that is its fp32 master for the rest of the step."""
+
+    param: Any
+    master: Any  # the rule's _fp32_param
+    array: Any  # the parameter's own float16 array, put back after a skipped step
+
+
+def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
+    """Make ``scaler`` the loss scaler of a Chainer ``GradientMethod``; return the attachment.
+
+    After this, ``optimizer.update(lossfun, *args)`` (what Chainer's
+    ``StandardUpdater`` calls) seeds the backward pass with the scale, checks
+    and unscales every gradient in one pass, skips the step on inf/nan and
+    adapts the scale. A manual loop seeds with ``attachment.backward(loss)``
+    and then calls ``optimizer.update()``. Use ``GradScaler.guard()`` for
+    float32 training that only needs the skip. Synchronizes the device once per
+    step (the check); attaching does not.
+
+    Raises:
+        ArgumentTypeError: ``optimizer`` is not a ``chainer.optimizer.GradientMethod``, or
+            ``scaler`` is not a ``GradScaler``.
+        ScalerProtocolError: The optimizer already has a cupy-amp scaler, or Chainer's own
+            loss scaling (``loss_scaling()``, ``set_loss_scale()``) is on.
+        ImportError: Chainer is not installed.
+    """
+    chainer = _chainer()
+    if not isinstance(optimizer, chainer.optimizer.GradientMethod):
+        raise ArgumentTypeError(
+            f"attach() takes a chainer.optimizer.GradientMethod (SGD, MomentumSGD, Adam, ...); got "
+            f"{type(optimizer).__name__}."
+        )
+    if not isinstance(scaler, GradScaler):
+        raise ArgumentTypeError(
+            f"attach() takes a cupy_amp.GradScaler (or GradScaler.guard()); got {type(scaler).__name__}. Chainer "
+            "asks is_safe_to_update() for a Python bool every step, so a sync-free scaler would gain nothing."
+        )
+    if optimizer.__dict__.get(_MARK) is not None:
+        raise ScalerProtocolError(
+            "This optimizer already has a cupy-amp scaler attached: two scalers would scale the loss twice and "
+            "each unscale once. Call detach() on the first attachment before attaching another scaler."
+        )
+    if optimizer._loss_scaling_is_dynamic or optimizer._loss_scale is not None:
+        raise ScalerProtocolError(
+            f"This optimizer has Chainer's own loss scaling on (loss_scale={optimizer._loss_scale!r}, from "
+            "loss_scaling() or set_loss_scale()): two scalers would scale the gradients twice. Build the optimizer "
+            "without calling loss_scaling(), then attach the cupy-amp scaler."
+        )
+    return Attachment(optimizer, scaler, chainer)
+
+
+class Attachment:
+    """A scaler attached to a Chainer optimizer: the seams it set, and the state of the open step.
+
+    Build it with :func:`attach`.
+    """
+
+    def __init__(self, optimizer: Any, scaler: GradScaler, chainer: Any) -> None:
+        self._chainer = chainer
+        self._optimizer = optimizer
+        self._scaler = scaler
+        self._chainer_update: Callable[..., Any] = optimizer.update
+        self._seeded = False  # this step's loss was seeded through _seed (scale_loss was called)
+        self._checked = False  # the gradients were checked; update() of the scaler is due
+        self._finite = True
+        self._masters: list[_Master] = []  # float16 parameters standing as their masters until the step ends
+        if optimizer.target is not None:
+            for param in optimizer.target.params():
+                param._loss_scale = None  # stamps of backward passes made before attaching
+        seams: dict[str, Any] = {
+            "update": self._update,
+            "check_nan_in_grads": self._check,
+            "is_safe_to_update": self._is_safe,
+            "update_loss_scale": self._end_step,
+            "loss_scaling": self._refuse_loss_scaling,
+            "set_loss_scale": self._refuse_loss_scaling,
+        }
+        for name, seam in seams.items():
+            setattr(optimizer, name, seam)
+        optimizer._loss_scale = scaler.scale_factor()
+        setattr(optimizer, _MARK, self)
+
+    @property
+    def scaler(self) -> GradScaler:
+        """The attached scaler."""
+        return self._scaler
+
+    @property
+    def optimizer(self) -> Any:
+        """The Chainer optimizer it is attached to."""
+        return self._optimizer
+
+    def backward(self, loss: Any, **kwargs: Any) -> None:
+        """Run ``loss.backward(**kwargs)`` seeded with the scale: the manual loop's backward pass.
+
+        ``cleargrads(); attachment.backward(loss); optimizer.update()``. Call it
+        once per loss (several times per step to accumulate gradients). Never
+        synchronizes the device.
+
+        Raises:
+            GradientTypeError: ``loss`` is not a Chainer variable on NumPy or CuPy.
+            GradientValueError: ``loss`` is not a scalar, already has a gradient, or is
+                float16 and float16 cannot hold the scale (compute the loss in float32).
+            ArgumentTypeError: ``loss_scale`` was passed (the scaler chooses it).
+        """
+        if "loss_scale" in kwargs:
+            raise ArgumentTypeError("backward() takes no loss_scale: the attached scaler seeds the backward pass.")
+        self._seed(loss)
+        loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
+
+    def extension(self) -> LossScaleExtension:
+        """Return a Trainer extension that reports the scale and serializes the scaler."""
+        from cupy_amp.chainer.extension import LossScaleExtension
+
+        return LossScaleExtension(self)
+
+    def masters(self) -> Iterator[tuple[str, Any]]:
+        """Yield (name, fp32 master ``Parameter``) of every float16 parameter updated in fp32, creating missing ones.
+
+        A master is created as Chainer creates it (the parameter cast to float32).
+        """
+        target = self._optimizer.target
+        for name, param in target.namedparams() if target is not None else ():
+            rule = getattr(param, "update_rule", None)
+            if rule is None or not rule.enabled or not rule._use_fp32_update or param.array is None:
+                continue
+            if rule._fp32_param is None:
+                if param.dtype != np.float16:
+                    continue
+                rule._fp32_param = self._chainer.Parameter(param.array.astype(np.float32), name=param.name)
+            yield name, rule._fp32_param
+
+    def load_checkpoint(self, checkpoint: Any) -> None:
+        """Load a scaler checkpoint between steps and seed the next backward pass with its scale.
+
+        Raises:
+            As ``GradScaler.load_checkpoint``.
+        """
+        self._scaler.load_checkpoint(checkpoint)
+        self._optimizer._loss_scale = self._scaler.scale_factor()
+
+    def detach(self) -> None:
+        """Give the optimizer back its own methods (between steps); its loss scaling is then off.
+
+        Raises:
+            ScalerProtocolError: A step is open (``backward`` was called and ``update()`` was not).
+        """
+        if self._seeded or self._checked:
+            raise ScalerProtocolError(
+                "detach() in the middle of a step: the gradients are scaled with this scaler's scale. Call "
+                "optimizer.update() first."
+            )
+        for name in _SEAMS:
+            self._optimizer.__dict__.pop(name, None)
+        self._optimizer.__dict__.pop(_MARK, None)
+        self._optimizer._loss_scale = None
+
+    # The seams.
+
+    def _seed(self, loss: Any) -> None:
+        """Open the step on a float32 seed that becomes the scale, and make it the gradient of ``loss``."""
+        chainer = self._chainer
+        if not isinstance(loss, chainer.Variable) or loss.xp is chainer.backend.chainerx:
+            raise GradientTypeError(
+                f"The loss must be a chainer.Variable holding a NumPy or CuPy array; got {type(loss).__name__}"
+                + (" on ChainerX" if isinstance(loss, chainer.Variable) else "")
+                + "."
+            )
+        array = loss.array
+        if array.size != 1:
+            raise GradientValueError(
+                f"The loss must be a scalar (its backward pass is seeded with the scale); got shape {array.shape}. "
+                "Reduce it first (chainer.functions.sum or mean)."
+            )
+        if loss.grad_var is not None:
+            raise GradientValueError(
+                "The loss already has a gradient (loss.grad is set): the scaler seeds the backward pass with the "
+                "scale itself. Leave loss.grad unset."
+            )
+        scale, dtype = self._scaler.scale_factor(), np.dtype(array.dtype)
+        if dtype == np.float16 and float(np.float16(scale)) != scale:
+            if scale > _FLOAT16_MAX:
+                problem = f"its seed would be inf: float16 holds at most {_FLOAT16_MAX:g}"
+            else:
+                problem = "float16 cannot hold it exactly, so the gradients would not be scaled by the scale"
+            raise GradientValueError(
+                f"The loss is float16 and the loss scale is {scale:g}: {problem}. Compute the loss in float32 (cast "
+                "the logits with chainer.functions.cast(x, 'float32') before the loss function), or keep the scale "
+                "a power of two below 65536 (GradScaler(init_scale=2.0**15, max_scale=2.0**15))."
+            )
+        with chainer.using_device(loss.device):
+            seed = loss.xp.ones(array.shape, dtype=np.float32)
+            self._scaler.scale_loss(seed)  # opens the step: the seed is now the scale
+            self._optimizer._loss_scale = scale  # stamped on the parameters by the backward pass
+            loss.grad = seed if dtype == np.float32 else seed.astype(dtype)
+        self._seeded = True
+
+    def _update(self, lossfun: Any = None, *args: Any, **kwds: Any) -> Any:
+        """Chainer's own ``update``, with a loss function that seeds its loss; a failed step is ended."""
+        seeded = None if lossfun is None else functools.partial(self._seeded_loss, lossfun)
+        try:
+            return self._chainer_update(seeded, *args, **kwds)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _seeded_loss(self, lossfun: Callable[..., Any], *args: Any, **kwds: Any) -> Any:
+        loss = lossfun(*args, **kwds)
+        self._seed(loss)
+        return loss
+
+    def _check(self) -> None:
+        """Check and unscale every gradient in one call; stand float16 parameters in for their masters."""
+        optimizer, scaler = self._optimizer, self._scaler
+        if optimizer._loss_scaling_is_dynamic:
+            raise ScalerProtocolError(
+                "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
+                "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
+            )
+        scale = scaler.scale_factor()
+        params = [(name, p) for name, p in optimizer.target.namedparams() if p.array is not None and p.grad is not None]
+        self._require_seed(scale, {p._loss_scale for _, p in params} - {None}, params)
+        masters = dict(self.masters())
+        gradients: dict[str, Any] = {}
+        standing: list[tuple[_Master, Any]] = []
+        for name, param in params:
+            master = masters.get(name)
+            if master is not None and param.dtype == np.float16:
+                copy = param.grad.astype(np.float32)  # unscaled below, in float32
+                standing.append((_Master(param, master, param.array), copy))
+                gradients[name] = copy
+            else:
+                gradients[name] = param.grad
+        self._seeded, self._checked = False, True
+        finite = scaler.unscale_and_check(gradients)  # the step's one host read
+        self._finite = finite
+        for _, param in params:
+            param._loss_scale = None  # the gradients are unscaled: nothing downstream may divide again
+        for stand_in, copy in standing:
+            param = stand_in.param
+            param.array = stand_in.master.array
+            param.grad = copy
+            self._masters.append(stand_in)
+        if not finite:
+            logger.warning(
+                "cupy-amp: skipping step %d: inf/nan in the gradients of %s (loss scale %g)",
+                optimizer.t + 1,
+                ", ".join(map(str, scaler.nonfinite_gradients())),
+                scale,
+            )
+
+    def _require_seed(self, scale: float, stamps: set[Any], params: list[tuple[str, Any]]) -> None:
+        """Refuse gradients seeded with another scale; open the step if Chainer's own backward path seeded them."""
+        if self._seeded:
+            if stamps - {scale}:
+                raise ScalerProtocolError(
+                    f"The backward pass was seeded with loss_scale {sorted(stamps)} but the scale is {scale:g}: "
+                    "the gradients would be unscaled by the wrong factor. Seed it with attachment.backward(loss) or "
+                    "optimizer.update(lossfun)."
+                )
+            return
+        seed = stamps.pop() if len(stamps) == 1 else (1.0 if not stamps else None)
+        if seed != scale:
+            how = "a plain loss.backward()" if seed == 1.0 else f"loss_scale values {sorted(stamps)}"
+            raise ScalerProtocolError(
+                f"The gradients were not seeded with the loss scale {scale:g} ({how}): they would be unscaled by "
+                "the wrong factor. Use optimizer.update(lossfun, *args), or in a manual loop "
+                "attachment.backward(loss) in place of loss.backward()."
+            )
+        # loss.backward(loss_scale=optimizer._loss_scale) (or scale 1): open the step on the seed it used.
+        chainer = self._chainer
+        device = params[0][1].device if params else chainer.get_device("@numpy")
+        with chainer.using_device(device):
+            self._scaler.scale_loss(device.xp.ones((), dtype=np.float32))
+
+    def _is_safe(self) -> bool:
+        return self._finite
+
+    def _end_step(self) -> None:
+        """End the step: the scaler adapts, the next backward gets the new scale, float16 parameters come back."""
+        updated = self._finite
+        self._checked = False
+        self._scaler.update()
+        self._optimizer._loss_scale = self._scaler.scale_factor()
+        self._put_back(updated)
+
+    def _put_back(self, updated: bool) -> None:
+        """Make each standing parameter float16 again: its master rounded (after an update) or its old array."""
+        standing, self._masters = self._masters, []
+        for stand_in in standing:
+            param, master = stand_in.param, stand_in.master
+            gradient = param.grad
+            param.grad = None
+            if updated:
+                master.array = param.array  # the rule may have replaced the array rather than written it
+            param.array = master.array.astype(np.float16) if updated else stand_in.array
+            if gradient is not None:
+                param.grad = gradient.astype(np.float16)
+
+    def _abandon(self) -> None:
+        """After an exception inside ``update()``: put the parameters back and end the scaler's step."""
+        self._seeded = False
+        if self._masters:
+            self._put_back(updated=self._finite)
+        if self._checked:
+            self._checked = False
+            # A check refused before it counted leaves nothing to end: the scaler refuses update() then.
+            with contextlib.suppress(ScalerProtocolError):
+                self._scaler.update()
+            self._optimizer._loss_scale = self._scaler.scale_factor()
+
+    def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:
+        raise ScalerProtocolError(
+            "This optimizer's loss scaling is done by an attached cupy-amp scaler; Chainer's loss_scaling() / "
+            "set_loss_scale() would scale the gradients a second time. Configure the GradScaler instead, or "
+            "detach() it first."
+        )

@@ -1,0 +1,391 @@
+"""cupy_amp.chainer with Chainer 7.8.1 on the CPU (NumPy arrays): attaching, skipping, resuming, clipping, host reads.
+
+Skipped where Chainer is not importable (it needs NumPy < 2; .ci/run has a pass for it).
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+chainer = pytest.importorskip("chainer", reason="Chainer 7.8.1 (which needs NumPy < 2) is not installed")
+F = chainer.functions
+L = chainer.links
+
+from cupy_amp import GradientValueError, GradScaler, ScalerProtocolError  # noqa: E402
+from cupy_amp.chainer import attach  # noqa: E402
+from cupy_amp.demo.model import load_dataset  # noqa: E402
+from cupy_amp.numpy_backend import HostState  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _quiet_fp16() -> Any:
+    """Overflow in float16 is expected in these tests; Chainer's own scaler warns once per bad parameter."""
+    with np.errstate(over="ignore", invalid="ignore", under="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class MLP(chainer.Chain):
+    """A 2-32-32-5 MLP in the configured dtype; its loss is computed in float32 and multiplied by ``weight``."""
+
+    def __init__(self, weight: float = 1.0, classes: int = 5) -> None:
+        super().__init__()
+        self.weight = weight
+        with self.init_scope():
+            self.l1 = L.Linear(2, 32)
+            self.l2 = L.Linear(32, 32)
+            self.l3 = L.Linear(32, classes)
+
+    def logits(self, x: Any) -> Any:
+        return F.cast(self.l3(F.relu(self.l2(F.relu(self.l1(x))))), "float32")
+
+    def __call__(self, x: Any, t: Any) -> Any:
+        return F.softmax_cross_entropy(self.logits(x), t) * self.weight
+
+
+def spirals(count: int = 256) -> tuple[np.ndarray, np.ndarray]:
+    """The demo's five spirals (generated, nothing downloaded): float32 points, int32 labels."""
+    data = load_dataset("spirals", 0)
+    return data.x_train[:count], data.y_train[:count].astype(np.int32)
+
+
+def build(dtype: Any = np.float16, weight: float = 1.0, optimizer: Any = None) -> tuple[Any, Any]:
+    """A freshly initialized MLP (seeded) in ``dtype`` with ``optimizer`` (Adam) set up, fp32 update on."""
+    with chainer.using_config("dtype", np.dtype(dtype)):
+        np.random.seed(0)
+        model = MLP(weight)
+    optimizer = optimizer if optimizer is not None else chainer.optimizers.Adam(alpha=1e-2)
+    optimizer.setup(model)
+    optimizer.use_fp32_update()
+    return model, optimizer
+
+
+def arrays(model: Any) -> dict[str, np.ndarray]:
+    return {name: param.array.copy() for name, param in model.namedparams()}
+
+
+def assert_same_bits(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> None:
+    assert left.keys() == right.keys()
+    for name in left:
+        assert left[name].dtype == right[name].dtype, name
+        np.testing.assert_array_equal(left[name].view(np.uint8), right[name].view(np.uint8), err_msg=name)
+
+
+# The comparison: tiny gradients in float16.
+
+# A loss weighted by 2**-24 with Adam's eps weighted alike is, in exact arithmetic, the unweighted problem: a
+# stand-in for a loss averaged over ~16M tokens. In float16 its gradients underflow: unscaled they are all 0;
+# Chainer's loss_scaling() stops at 65504 (it seeds in the loss's dtype), which leaves many of them subnormal.
+TINY = 2.0**-24
+
+
+def train_spirals(mode: str, steps: int = 150, dtype: Any = np.float16) -> tuple[float, float]:
+    """Train with ``optimizer.update(model, x, t)``; return (accuracy, unweighted loss) on the training points."""
+    model, optimizer = build(dtype, TINY, chainer.optimizers.Adam(alpha=1e-2, eps=1e-8 * TINY))
+    if mode == "cupy-amp":
+        attach(optimizer, GradScaler(init_scale=2.0**16, growth_interval=20))
+    elif mode == "chainer":
+        optimizer.loss_scaling()
+    x, t = spirals()
+    x = x.astype(dtype)
+    for _ in range(steps):
+        optimizer.update(model, x, t)
+    with chainer.using_config("train", False), chainer.no_backprop_mode():
+        logits = model.logits(x).array
+    return float((logits.argmax(axis=1) == t).mean()), float(F.softmax_cross_entropy(logits, t).array)
+
+
+@pytest.mark.slow
+def test_fp16_mlp_learns_tiny_gradients_where_chainer_lags_and_unscaled_fp16_fails() -> None:
+    # (accuracy, loss) after 150 steps, NumPy 1.26: ours (0.914, 0.412), Chainer's (0.766, 0.712), unscaled
+    # (0.109, 1.651: the untrained model's), float32 (0.902, 0.433). After 300 steps Chainer's catches up.
+    ours = train_spirals("cupy-amp")
+    chainers = train_spirals("chainer")
+    unscaled = train_spirals("none")
+    fp32 = train_spirals("none", dtype=np.float32)
+    untrained = train_spirals("none", steps=0)
+    assert ours[0] >= fp32[0] - 0.05 and ours[1] <= 1.2 * fp32[1]  # as good as float32
+    assert chainers[0] <= ours[0] - 0.1 and chainers[1] >= 1.5 * ours[1]
+    assert unscaled == untrained  # nothing learned: every gradient was 0
+
+
+# Skipping.
+
+
+def test_injected_inf_skips_the_step_keeps_the_parameters_and_names_the_culprit(caplog: Any) -> None:
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(64)
+    x = x.astype(np.float16)
+    optimizer.update(model, x, t)  # one clean step: the masters and Adam's moments exist
+    before, masters = arrays(model), {name: m.array.copy() for name, m in attachment.masters()}
+    moments = {name: {k: v.copy() for k, v in p.update_rule.state.items()} for name, p in model.namedparams()}
+    model.cleargrads()
+    attachment.backward(model(x, t))
+    model.l2.W.grad[3, 4] = np.inf
+    with caplog.at_level(logging.WARNING, logger="cupy_amp.chainer.attach"):
+        optimizer.update()
+    assert_same_bits(arrays(model), before)
+    assert_same_bits({name: m.array for name, m in attachment.masters()}, masters)
+    for name, param in model.namedparams():
+        assert_same_bits(dict(param.update_rule.state), moments[name])
+    stats = attachment.scaler.stats()
+    assert stats.scale == 2.0**9 and stats.skipped_steps == 1 and stats.steps == 2
+    assert attachment.scaler.nonfinite_gradients() == ["/l2/W"]
+    assert "/l2/W" in caplog.text and "skipping step 2" in caplog.text
+    optimizer.update(model, x, t)  # and training goes on
+    assert not attachment.scaler.had_overflow()
+    assert all(np.isfinite(param.array).all() for param in model.params())
+
+
+def test_guard_scaler_skips_float32_steps_with_a_plain_backward() -> None:
+    model, optimizer = build(np.float32)
+    attachment = attach(optimizer, GradScaler.guard())
+    x, t = spirals(64)
+    before = arrays(model)
+    model.cleargrads()
+    model(x, t).backward()  # scale 1: Chainer's own unseeded backward is the right seed
+    model.l1.b.grad[0] = np.nan
+    optimizer.update()
+    assert_same_bits(arrays(model), before)
+    assert attachment.scaler.nonfinite_gradients() == ["/l1/b"]
+    assert attachment.scaler.stats().scale == 1.0
+
+
+def test_manual_loop_and_update_with_a_loss_function_take_the_same_steps() -> None:
+    x, t = spirals(64)
+    x = x.astype(np.float16)
+    runs = []
+    for loop in ("lossfun", "manual", "chainer idiom"):
+        model, optimizer = build()
+        attachment = attach(optimizer, GradScaler(init_scale=2.0**20, growth_interval=2))
+        for _ in range(6):
+            if loop == "lossfun":
+                optimizer.update(model, x, t)
+                continue
+            model.cleargrads()
+            if loop == "manual":
+                attachment.backward(model(x, t))
+            else:
+                model(x, t).backward(loss_scale=optimizer._loss_scale)
+            optimizer.update()
+        runs.append((arrays(model), attachment.scaler.checkpoint()))
+    for params, checkpoint in runs[1:]:
+        assert_same_bits(params, runs[0][0])
+        assert checkpoint == runs[0][1]
+    assert runs[0][1].growths >= 1 and runs[0][1].backoffs >= 1  # the scale moved both ways
+
+
+def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_step() -> None:
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+
+    def failing_hook(optimizer: Any) -> None:
+        raise KeyboardInterrupt
+
+    optimizer.add_hook(failing_hook, name="fails", timing="post")
+    with pytest.raises(KeyboardInterrupt):
+        optimizer.update(model, x, t)
+    assert all(param.dtype == np.float16 and param.grad.dtype == np.float16 for param in model.params())
+    assert_same_bits(arrays(model), {name: m.array.astype(np.float16) for name, m in attachment.masters()})
+    assert attachment.scaler.checkpoint().steps == 1  # the step was ended: a checkpoint can be taken
+    optimizer.remove_hook("fails")
+    optimizer.update(model, x, t)
+    assert attachment.scaler.stats().steps == 2
+
+
+# Resuming from a trainer snapshot.
+
+
+def make_trainer(out: Path, stop: int) -> tuple[Any, Any]:
+    """A Trainer over the spirals (in order: no shuffling state to restore) with the extension; step 4 overflows."""
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**12, growth_interval=2))
+    x, t = spirals(128)
+    dataset = chainer.datasets.TupleDataset(x.astype(np.float16), t)
+    iterator = chainer.iterators.SerialIterator(dataset, 32, shuffle=False)
+    poison = np.zeros((), np.float16)
+
+    def loss(x: Any, t: Any) -> Any:
+        poison[()] = np.inf if updater.iteration == 3 else 0
+        return model(x, t) + F.sum(F.cast(model.l3.b * poison, "float32"))
+
+    updater = chainer.training.updaters.StandardUpdater(iterator, optimizer, loss_func=loss)
+    trainer = chainer.training.Trainer(updater, (stop, "iteration"), out=str(out))
+    trainer.extend(attachment.extension())
+    return trainer, attachment
+
+
+def test_trainer_snapshot_resumes_scale_counters_and_parameters_bit_for_bit(tmp_path: Path) -> None:
+    whole, whole_attachment = make_trainer(tmp_path / "whole", 12)
+    whole.run()
+    first, _ = make_trainer(tmp_path / "first", 6)
+    first.extend(chainer.training.extensions.snapshot(filename="snap"), trigger=(6, "iteration"))
+    first.run()
+    resumed, attachment = make_trainer(tmp_path / "resumed", 12)
+    chainer.serializers.load_npz(str(tmp_path / "first" / "snap"), resumed)
+    assert attachment.optimizer._loss_scale == attachment.scaler.scale_factor()
+    resumed.run()
+    stats = whole_attachment.scaler.stats()
+    assert stats.skipped_steps == 1 and stats.growths >= 3  # the scale moved both ways
+    assert attachment.scaler.checkpoint() == whole_attachment.scaler.checkpoint()
+    assert_same_bits(arrays(attachment.optimizer.target), arrays(whole_attachment.optimizer.target))
+    assert_same_bits(
+        {name: master.array for name, master in attachment.masters()},
+        {name: master.array for name, master in whole_attachment.masters()},
+    )
+
+
+def test_extension_reports_the_scale_and_skipped_steps(tmp_path: Path) -> None:
+    trainer, attachment = make_trainer(tmp_path, 5)
+    seen: list[dict[str, float]] = []
+    trainer.extend(lambda trainer: seen.append(dict(trainer.observation)), name="spy", trigger=(1, "iteration"))
+    trainer.run()
+    assert [row["skipped_steps"] for row in seen] == [0, 0, 0, 1, 1]
+    assert [row["loss_scale"] for row in seen] == [2.0**12, 2.0**13, 2.0**13, 2.0**12, 2.0**12]
+
+
+# Hooks see unscaled gradients.
+
+
+def one_step(scale: float | None, hook: Any, chainer_scale: float | None = None) -> dict[str, np.ndarray]:
+    """One SGD step of the fp16 MLP with ``hook``; return how far each fp32 master moved."""
+    model, optimizer = build(optimizer=chainer.optimizers.SGD(lr=0.1))
+    optimizer.add_hook(hook)
+    if scale is not None:
+        attach(optimizer, GradScaler(init_scale=scale))
+    if chainer_scale is not None:
+        optimizer.set_loss_scale(chainer_scale)
+    start = {name: param.array.astype(np.float32) for name, param in model.namedparams()}
+    x, t = spirals(64)
+    optimizer.update(model, x.astype(np.float16), t)
+    return {name: param.update_rule._fp32_param.array - start[name] for name, param in model.namedparams()}
+
+
+def norm(arrays: dict[str, np.ndarray]) -> float:
+    return float(np.sqrt(sum(float(np.sum(a.astype(np.float64) ** 2)) for a in arrays.values())))
+
+
+@pytest.mark.parametrize(
+    "hook", [chainer.optimizer_hooks.GradientClipping(1e-3), chainer.optimizer_hooks.WeightDecay(0.5)], ids=str
+)
+def test_optimizer_hooks_see_unscaled_gradients(hook: Any) -> None:
+    unscaled = one_step(1.0, hook)  # scale 1: the hook's gradients are the true ones
+    scaled = one_step(2.0**16, hook)
+    for name in unscaled:
+        np.testing.assert_allclose(scaled[name], unscaled[name], rtol=1e-3, atol=1e-9, err_msg=name)
+    if isinstance(hook, chainer.optimizer_hooks.GradientClipping):
+        assert norm(scaled) == pytest.approx(0.1 * 1e-3, rel=1e-3)  # lr * threshold: the clip was applied
+        assert norm(one_step(None, hook, chainer_scale=2.0**10)) < norm(scaled) / 500  # Chainer's clips scaled ones
+
+
+# Host reads.
+
+
+def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: Any) -> None:
+    """Count host reads of the gradients' verdict.
+
+    Ours: calls of ``HostState.read``, the scaler's only read of a verdict (on
+    the GPU ``DeviceState.read`` copies one flag there). Chainer's:
+    ``check_nan_in_grads`` turns ``xp.all(xp.isfinite(grad))`` into a Python
+    bool once per parameter (a device-to-host copy each on the GPU); counted as
+    its ``isfinite`` calls, with no cupy-amp code running.
+    """
+    reads, isfinite = [0], [0]
+    host_read, numpy_isfinite = HostState.read, np.isfinite
+
+    def counted_read(self: Any) -> Any:
+        reads[0] += 1
+        return host_read(self)
+
+    def counted_isfinite(*args: Any, **kwargs: Any) -> Any:
+        isfinite[0] += 1
+        return numpy_isfinite(*args, **kwargs)
+
+    monkeypatch.setattr(HostState, "read", counted_read)
+    x, t = spirals(64)
+    x = x.astype(np.float16)
+    model, optimizer = build()
+    attach(optimizer, GradScaler(init_scale=2.0**10))
+    for _ in range(3):
+        optimizer.update(model, x, t)
+    model, optimizer = build()
+    optimizer.loss_scaling()
+    monkeypatch.setattr(np, "isfinite", counted_isfinite)
+    for _ in range(3):
+        optimizer.update(model, x, t)
+    monkeypatch.undo()
+    assert reads[0] == 3
+    assert isfinite[0] == 3 * len(list(model.params())) == 18
+
+
+# Errors.
+
+
+def test_float16_loss_whose_seed_overflows_is_refused_before_the_step_opens() -> None:
+    model, optimizer = build()
+    scaler = GradScaler()  # 65536: float16's largest value is 65504
+    attach(optimizer, scaler)
+    x, t = spirals(16)
+    with pytest.raises(
+        GradientValueError, match=r"float16 and the loss scale is 65536: its seed would be inf.*in float32"
+    ):
+        optimizer.update(lambda: F.softmax_cross_entropy(model.l3(model.l2(model.l1(x.astype(np.float16)))), t))
+    scaler.checkpoint()  # no step is open
+    assert scaler.stats().steps == 0
+
+
+def test_two_scalers_and_chainers_own_loss_scaling_are_refused() -> None:
+    _, optimizer = build()
+    attachment = attach(optimizer, GradScaler())
+    with pytest.raises(ScalerProtocolError, match=r"already has a cupy-amp scaler attached.*detach\(\)"):
+        attach(optimizer, GradScaler())
+    with pytest.raises(ScalerProtocolError, match="would scale the gradients a second time"):
+        optimizer.loss_scaling()
+    attachment.detach()
+    assert optimizer._loss_scale is None and optimizer.update.__func__ is chainer.optimizers.Adam.update
+    optimizer.loss_scaling()
+    with pytest.raises(ScalerProtocolError, match="has Chainer's own loss scaling on"):
+        attach(optimizer, GradScaler())
+
+
+def test_a_backward_not_seeded_with_the_scale_is_refused() -> None:
+    model, optimizer = build()
+    attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    model.cleargrads()
+    model(x.astype(np.float16), t).backward()
+    with pytest.raises(ScalerProtocolError, match=r"not seeded with the loss scale 1024 \(a plain loss.backward\(\)\)"):
+        optimizer.update()
+
+
+def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
+    code = "import sys, cupy_amp, cupy_amp.chainer; sys.exit('chainer' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
+
+
+@pytest.mark.slow
+def test_example_trains_with_the_extension(tmp_path: Path) -> None:
+    script = REPO / "examples" / "chainer_train.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--epochs", "2", "--out", str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "loss_scale" in done.stdout and "accuracy" in done.stdout
