@@ -482,3 +482,31 @@ def test_scaler_step_checks_and_applies_the_fused_update_in_one_call(scaler_clas
         twin.update()
     assert optimizer.step_count == 2 and scaler.stats().skipped_steps == 1  # the overflow applied nothing
     assert float(np.abs(optimizer.params[0]).max()) > 0
+
+
+def test_two_threads_applying_the_same_statistics_apply_them_once() -> None:
+    import threading
+
+    from cupy_amp.optim import SGD
+
+    scaler = GradScaler(init_scale=4.0)
+    weights, grads = [np.zeros(4, np.float32)], [np.full(4, 4.0, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    scaler.scale_loss(np.ones((), np.float32))
+    stats = scaler.check(grads)
+    outcomes: list[str] = []
+
+    def apply() -> None:
+        try:
+            optimizer.step(grads, stats)
+            outcomes.append("applied")
+        except ScalerProtocolError as error:
+            outcomes.append("refused" if "already applied" in str(error) else str(error))
+
+    threads = [threading.Thread(target=apply) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(outcomes) == ["applied", "refused"]
+    assert weights[0].tolist() == [-1.0] * 4 and optimizer.step_count == 1
