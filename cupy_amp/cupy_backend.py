@@ -124,8 +124,8 @@ def _layout(array: cupy.ndarray) -> list[int]:
     return [array.ndim, *array.shape, *(stride // array.itemsize for stride in array.strides)]
 
 
-def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
-    """Multiply ``loss`` in place by ``factor``, or by the scale of ``state`` (a State's address), if not 0.
+def scale_loss(loss: cupy.ndarray, state: int) -> None:
+    """Multiply ``loss`` in place by the scale of ``state`` (a State's address).
 
     Queued on the current stream; never synchronizes.
     """
@@ -146,7 +146,6 @@ def scale_loss(loss: cupy.ndarray, factor: np.float32, state: int = 0) -> None:
             layout=0 if layout is None else layout.data.ptr,
             chunk_size=chunk,
             state=state,
-            scale=factor,
         )
 
 
@@ -307,33 +306,29 @@ class DeviceStats:
             with _on_device(self.device):
                 self._partials = cupy.zeros(blocks, dtype=np.float64)
 
-    def gather(self, plan: tuple[_Group, ...], stream: Any, *, found: int, finite: int, state: int, epoch: int,
-               inv_scale: np.float32, max_norm: float, voting: bool) -> None:  # fmt: skip
+    def gather(self, plan: tuple[_Group, ...], stream: Any, state: int, max_norm: float, voting: bool) -> None:
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
-        The kernels set ``*found`` (an int) and ``*finite`` (if not 0) on inf/nan;
-        with a ``state`` (a State's address) its epoch, scale and verdict are used.
-        With ``voting``, only this rank's sums are taken: :attr:`values` is then
-        to be all-reduced, and :meth:`finish` called.
+        The kernels read the epoch and the scale from ``state`` (a State's
+        address) and set its flags on inf/nan. With ``voting``, only this rank's
+        sums are taken: :attr:`values` is then to be all-reduced, and
+        :meth:`finish` called.
         """
         self.reserve(plan)
         self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
         partials, written = int(self._partials.data.ptr), 0
         for launch, grid in self._grids(plan):  # each launch's sums go right after the previous launch's
-            launch(
-                grid, stream.ptr, partials=partials + 8 * written, found=found, finite=finite, state=state,
-                epoch=epoch,
-            )  # fmt: skip
+            launch(grid, stream.ptr, partials=partials + 8 * written, state=state)
             written += grid
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
-            inv_scale=inv_scale, max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
+            max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
         )  # fmt: skip
 
-    def finish(self, stream: Any, *, state: int, inv_scale: np.float32, max_norm: float) -> None:
+    def finish(self, stream: Any, state: int, max_norm: float) -> None:
         """Queue the finish from the all-reduced :attr:`values` (checked on the device); never waits."""
         self._finish(
-            1, stream.ptr, stats=self.address, partials=0, partial_count=0, state=state, inv_scale=inv_scale,
+            1, stream.ptr, stats=self.address, partials=0, partial_count=0, state=state,
             max_norm=np.float32(max_norm), stage=_FINISH_ONLY,
         )  # fmt: skip
 
@@ -452,6 +447,7 @@ class DeviceState:
         record["growth_interval"] = config.growth_interval
         record["hysteresis"] = config.hysteresis
         record["epoch"] = self._owner | (epoch & 0xFFFFFFFF)
+        record["updated_epoch"] = 2**64 - 1  # no epoch: the open step's rule is not applied yet
         record["found"] = local
         record["agreed"] = overflow
         record["finite"] = not overflow
@@ -463,7 +459,7 @@ class DeviceState:
 
     def scale_loss(self, loss: cupy.ndarray) -> None:
         self.follow()
-        scale_loss(loss, np.float32(0), self.address)
+        scale_loss(loss, self.address)
 
     def begin_step(self) -> None:
         self._launch("cupy_amp_begin_step")
@@ -473,15 +469,11 @@ class DeviceState:
 
         Returns None: the culprits are read later, by :meth:`culprits`.
         """
-        found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
         with _on_device(self.device):
             stream = self.follow()
             for group in call.plan:
                 if group.table.launch is not None:
-                    grid = min(group.table.chunk_count, MAX_GRID)
-                    group.table.launch(
-                        grid, stream.ptr, inv_scale=0, epoch=0, found=found, finite=finite, state=self.address
-                    )
+                    group.table.launch(min(group.table.chunk_count, MAX_GRID), stream.ptr, state=self.address)
 
     def prepare(self, call: Any) -> None:
         """Get everything a captured step with ``call``'s arrays needs (the statistics buffer)."""
@@ -493,13 +485,8 @@ class DeviceState:
         With ``voting``, only this rank's sums are taken (:meth:`vote_sums`, then
         :meth:`finish_check`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
-        found, finite = self.address + _FOUND_OFFSET, self.address + _FINITE_OFFSET
         with _on_device(self.device):
-            stream = self.follow()
-            self.stats.gather(
-                call.plan, stream, found=found, finite=finite, state=self.address, epoch=0, inv_scale=np.float32(0),
-                max_norm=max_norm, voting=voting,
-            )  # fmt: skip
+            self.stats.gather(call.plan, self.follow(), self.address, max_norm, voting)
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Queue the SUM all-reduce of (overflowed, sum of squares) (never synchronizes).
@@ -512,7 +499,7 @@ class DeviceState:
     def finish_check(self, max_norm: float) -> None:
         """Queue the finish from the all-reduced pair: the verdict (an impossible count is a bad vote), the norm."""
         with _on_device(self.device):
-            self.stats.finish(self.follow(), state=self.address, inv_scale=np.float32(0), max_norm=max_norm)
+            self.stats.finish(self.follow(), self.address, max_norm)
 
     def vote(self, vote: OverflowVote) -> None:
         """Queue the MAX all-reduce of this rank's flag (never synchronizes).
@@ -533,6 +520,7 @@ class DeviceState:
             self.stats.skip.fill(1)
 
     def update(self) -> None:
+        """Queue the rule, applied once per step: a retry after an interrupted ``update()`` changes nothing more."""
         self._launch("cupy_amp_update_state")
 
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:

@@ -58,22 +58,11 @@ CHUNK = np.dtype(
     [("address", "<u8"), ("first", "<i8"), ("last", "<i8"), ("tensor", "<i4"), ("layout", "<i4")], align=True
 )
 UNSCALE_ARGS = np.dtype(
-    [
-        ("chunks", "<u8"),
-        ("layouts", "<u8"),
-        ("chunk_count", "<i8"),
-        ("found", "<u8"),
-        ("finite", "<u8"),
-        ("tensor_found", "<u8"),
-        ("state", "<u8"),
-        ("epoch", "<u8"),
-        ("inv_scale", "<f4"),
-    ],
+    [("chunks", "<u8"), ("layouts", "<u8"), ("chunk_count", "<i8"), ("tensor_found", "<u8"), ("state", "<u8")],
     align=True,
 )
 SCALE_ARGS = np.dtype(
-    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("state", "<u8"), ("scale", "<f4")],
-    align=True,
+    [("base", "<u8"), ("numel", "<i8"), ("layout", "<u8"), ("chunk_size", "<i8"), ("state", "<u8")], align=True
 )
 STATE = np.dtype(
     [
@@ -85,6 +74,7 @@ STATE = np.dtype(
         ("backoffs", "<u8"),
         ("remote_skipped_steps", "<u8"),
         ("epoch", "<u8"),
+        ("updated_epoch", "<u8"),
         ("growth_factor", "<f8"),
         ("backoff_factor", "<f8"),
         ("floor", "<f8"),
@@ -104,6 +94,7 @@ STATS = np.dtype(
     [
         ("overflowed", "<f8"),
         ("sum_of_squares", "<f8"),
+        ("own_sum_of_squares", "<f8"),
         ("norm", "<f4"),
         ("clip_coefficient", "<f4"),
         ("factor", "<f4"),
@@ -119,11 +110,8 @@ STATS_ARGS = np.dtype(
         ("layouts", "<u8"),
         ("chunk_count", "<i8"),
         ("partials", "<u8"),
-        ("found", "<u8"),
-        ("finite", "<u8"),
         ("tensor_found", "<u8"),
         ("state", "<u8"),
-        ("epoch", "<u8"),
     ],
     align=True,
 )
@@ -133,7 +121,6 @@ FINISH_ARGS = np.dtype(
         ("partials", "<u8"),
         ("partial_count", "<i8"),
         ("state", "<u8"),
-        ("inv_scale", "<f4"),
         ("max_norm", "<f4"),
         ("stage", "<i4"),
     ],

@@ -149,8 +149,8 @@ class HostState:
             self._finish(total, max_norm, bool(culprits))
         return culprits
 
-    def _finish(self, total: float, max_norm: float, overflow: bool) -> None:
-        finish_host(self.stats.record, total, inverse_scale(self._state.scale), max_norm, self._found, overflow)
+    def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
+        finish_host(self.stats.record, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own)
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""
@@ -171,11 +171,11 @@ class HostState:
                 check_sum_of_squares(total, self._own)
         except CommunicatorError:
             if not total < 0.0:  # the record as far as it can be made (a negative sum has no square root)
-                self._finish(total, max_norm, True)
+                self._finish(total, max_norm, True, self._own)
             self._finite[()] = False
             self.stats.record["skip"] = 1
             raise
-        self._finish(total, max_norm, agreed)
+        self._finish(total, max_norm, agreed, self._own)
         if agreed:
             self._finite[()] = False
 

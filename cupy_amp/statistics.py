@@ -59,11 +59,13 @@ def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:
 
 
 def finish_host(
-    record: np.ndarray, total: float, inv_scale: np.float32, max_norm: float, local: bool, agreed: bool
-) -> None:
+    record: np.ndarray, total: float, inv_scale: np.float32, max_norm: float, local: bool, agreed: bool,
+    own: float | None = None,
+) -> None:  # fmt: skip
     """Fill a 0-d :data:`~cupy_amp.kernel_interface.STATS` record from a sum of squares, as the finishing kernel does.
 
-    ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did.
+    ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did;
+    ``own``: this rank's share of an all-reduced ``total`` (None: ``total`` is this rank's own).
     """
     norm = np.float32(math.sqrt(total) * float(inv_scale)) if math.isfinite(total) else np.float32(total)
     clip = np.float32(1.0)
@@ -72,6 +74,7 @@ def finish_host(
         if quotient < 1.0:
             clip = np.float32(quotient)
     record["sum_of_squares"] = total
+    record["own_sum_of_squares"] = total if own is None else own
     record["norm"] = norm
     record["clip_coefficient"] = clip
     record["factor"] = np.float32(inv_scale) * clip

@@ -45,12 +45,8 @@ struct UnscaleArgs {
     u64 chunks;   // const Chunk[chunk_count]
     u64 layouts;  // const long long[]
     long long chunk_count;
-    u64 found;         // int, set to 1 if any element was inf/nan (may be mapped host memory)
-    u64 finite;        // 0, or an unsigned char set to 0 if any element was inf/nan
-    u64 tensor_found;  // u64 per tensor, set to `epoch` if it held inf/nan
-    u64 state;         // 0, or a State: the factor and the epoch are read from it instead
-    u64 epoch;         // a number chosen per launch, so no per-tensor flag needs clearing
-    float inv_scale;
+    u64 tensor_found;  // u64 per tensor, set to the step's epoch if it held inf/nan (so none needs clearing)
+    u64 state;         // State*: the factor is the inverse of its scale; inf/nan sets its found and clears finite
 };
 
 struct ScaleArgs {
@@ -58,12 +54,11 @@ struct ScaleArgs {
     long long numel;
     u64 layout;            // 0: dense; else the loss's layout (const long long[]), as above
     long long chunk_size;  // elements per block per turn
-    u64 state;             // 0, or a State: the scale is read from it instead
-    float scale;
+    u64 state;             // State*: the loss is multiplied by its scale
 };
 
-// A sync-free scaler's state and configuration, in device memory. Its kernels read the scale and the
-// step's epoch from here rather than from arguments, so one captured launch stays right step after step
+// A scaler's state and configuration, in device memory. Every kernel reads the scale and the step's
+// epoch from here rather than from arguments, so one captured launch stays right step after step
 // (and after a checkpoint is loaded into the same memory).
 struct State {
     u64 consecutive_good_steps;
@@ -74,6 +69,7 @@ struct State {
     u64 backoffs;
     u64 remote_skipped_steps;
     u64 epoch;             // the open (or last) step's number: the scaler's own number << 32, plus a step count
+    u64 updated_epoch;     // the epoch the rule was last applied in: a repeated update of a step does nothing
     double growth_factor;  // the update rule's configuration: cupy_amp.rule.ScalerConfig
     double backoff_factor;
     double floor;      // min_scale, or the smallest scale with a finite float32 inverse
@@ -94,26 +90,24 @@ struct StateArgs {
 // One step's read-only statistics of the gradients (cupy_amp.statistics): the optimizers read `factor`
 // and `skip` from here, so neither the scale nor the verdict passes through the host.
 struct Stats {
-    double overflowed;       // 1 if this rank's gradients held inf/nan, else 0; after an all-reduce, the ranks' sum
-    double sum_of_squares;   // of the gradients as given (still scaled), this rank's; after an all-reduce, all ranks'
-    float norm;              // the unscaled gradients' L2 norm: float32(sqrt(sum_of_squares) * inv_scale)
-    float clip_coefficient;  // min(1, max_norm / (norm + 1e-6)), or 1 without clipping
-    float factor;            // inv_scale * clip_coefficient: what the optimizers multiply gradients by
-    int found;               // 1 once this rank's gradients of the step held inf/nan
-    int skip;                // 1: the step overflowed (here, or on another rank); the optimizers do nothing
-    int bad_vote;            // 1: the all-reduced count of overflowed ranks was no such count
+    double overflowed;      // 1 if this rank's gradients held inf/nan, else 0; after an all-reduce, the ranks' sum
+    double sum_of_squares;  // of the gradients as given (still scaled), this rank's; after an all-reduce, all ranks'
+    double own_sum_of_squares;  // this rank's share, kept to check the all-reduced sum against
+    float norm;                 // the unscaled gradients' L2 norm: float32(sqrt(sum_of_squares) * inv_scale)
+    float clip_coefficient;     // min(1, max_norm / (norm + 1e-6)), or 1 without clipping
+    float factor;               // inv_scale * clip_coefficient: what the optimizers multiply gradients by
+    int found;                  // 1 once this rank's gradients of the step held inf/nan
+    int skip;                   // 1: the step overflowed (here, or on another rank); the optimizers do nothing
+    int bad_vote;               // 1: the all-reduced count or sum of squares was none the ranks' shares can add up to
 };
 
 struct StatsArgs {
     u64 chunks;  // const Chunk[chunk_count], as for UnscaleArgs
     u64 layouts;
     long long chunk_count;
-    u64 partials;  // double per block: each block's sum of squares
-    u64 found;     // int, set to 1 if any element was inf/nan
-    u64 finite;    // 0, or an unsigned char set to 0 if any element was inf/nan
-    u64 tensor_found;
-    u64 state;  // 0, or a State: the epoch is read from it instead
-    u64 epoch;
+    u64 partials;      // double per block: each block's sum of squares
+    u64 tensor_found;  // as for UnscaleArgs
+    u64 state;         // State*: the epoch is read from it; inf/nan sets its found and clears finite
 };
 
 // What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of
@@ -124,10 +118,9 @@ struct FinishArgs {
     u64 stats;     // Stats*
     u64 partials;  // const double[partial_count]: the blocks' sums of this call's launches, in order
     long long partial_count;
-    u64 state;        // 0, or a State: the scale and the verdict are read from it
-    float inv_scale;  // without a State
-    float max_norm;   // <= 0: no clipping
-    int stage;        // kSumAndFinish, kSumOnly or kFinishOnly
+    u64 state;       // State*: the scale and this rank's flag are read from it, the vote's verdict written
+    float max_norm;  // <= 0: no clipping
+    int stage;       // kSumAndFinish, kSumOnly or kFinishOnly
 };
 
 // The fused optimizers' work (cupy_amp.optim): one chunk of one parameter; each address points at the
@@ -209,29 +202,17 @@ __device__ __forceinline__ float inverse_of(float scale) {
     return narrow(__drcp_rn(widen(scale)));
 }
 
-__device__ __forceinline__ float mul_f32(float a, float b) {
-    float r;
-    asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float add_f32(float a, float b) {
-    float r;
-    asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float sub_f32(float a, float b) {
-    float r;
-    asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
-
-__device__ __forceinline__ float div_f32(float a, float b) {
-    float r;
-    asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
-    return r;
-}
+// Binary float32 operations, rounded to nearest, without .ftz.
+#define CUPY_AMP_F32_BINARY(NAME, PTX)                        \
+    __device__ __forceinline__ float NAME(float a, float b) { \
+        float r;                                              \
+        asm(PTX " %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));   \
+        return r;                                             \
+    }
+CUPY_AMP_F32_BINARY(mul_f32, "mul.rn.f32")
+CUPY_AMP_F32_BINARY(add_f32, "add.rn.f32")
+CUPY_AMP_F32_BINARY(sub_f32, "sub.rn.f32")
+CUPY_AMP_F32_BINARY(div_f32, "div.rn.f32")
 
 __device__ __forceinline__ float fma_f32(float a, float b, float c) {
     float r;
@@ -268,18 +249,29 @@ __device__ __forceinline__ u16 f32_to_f16(float f) {
     return h;
 }
 
-// Each type also handles a 16-byte vector (uint4) at once: vector_nonfinite tests its lanes on the
-// bits; multiply_finite is the product when neither the lanes nor the factor are inf/nan, so no NaN
-// can come out and the NaN rules above need not be checked.
+// Whether either 16-bit half of `w`, or any of a vector's eight, has all of `kExponent`'s bits set (inf/nan).
+template <u32 kExponent>
+__device__ __forceinline__ bool word_nonfinite(u32 w) {
+    return ((w & kExponent) == kExponent) | ((w & (kExponent << 16)) == (kExponent << 16));
+}
+
+template <u32 kExponent>
+__device__ __forceinline__ bool halves_nonfinite(uint4 v) {
+    return word_nonfinite<kExponent>(v.x) | word_nonfinite<kExponent>(v.y) | word_nonfinite<kExponent>(v.z) |
+           word_nonfinite<kExponent>(v.w);
+}
+
+// The one family of element types. value() is an element in float64 (the statistics' sums); load() and
+// store() are its float32 value and back (the optimizers). Each type also handles a 16-byte vector
+// (uint4) at once: vector_nonfinite tests its lanes on the bits; multiply_finite is the product when
+// neither the lanes nor the factor are inf/nan, so no NaN can come out and the NaN rules above need not
+// be checked.
 struct Half {
     typedef u16 bits;
     static __device__ __forceinline__ double value(bits x) { return widen(f16_to_f32(x)); }
-    static __device__ __forceinline__ bool word_nonfinite(u32 w) {
-        return ((w & 0x7c00u) == 0x7c00u) | ((w & 0x7c000000u) == 0x7c000000u);
-    }
-    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
-        return word_nonfinite(v.x) | word_nonfinite(v.y) | word_nonfinite(v.z) | word_nonfinite(v.w);
-    }
+    static __device__ __forceinline__ float load(bits x) { return f16_to_f32(x); }
+    static __device__ __forceinline__ bits store(float f) { return f32_to_f16(f); }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) { return halves_nonfinite<0x7c00u>(v); }
     static __device__ __forceinline__ u32 pair_multiply_finite(u32 w, float factor) {
         float low = mul_f32(f16_to_f32((u16)(w & 0xffffu)), factor);
         float high = mul_f32(f16_to_f32((u16)(w >> 16)), factor);
@@ -309,6 +301,8 @@ struct Half {
 struct Single {
     typedef u32 bits;
     static __device__ __forceinline__ double value(bits x) { return widen(__uint_as_float(x)); }
+    static __device__ __forceinline__ float load(bits x) { return __uint_as_float(x); }
+    static __device__ __forceinline__ bits store(float f) { return __float_as_uint(f); }
     static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
         return nonfinite(v.x) | nonfinite(v.y) | nonfinite(v.z) | nonfinite(v.w);
     }
@@ -361,12 +355,9 @@ struct Double {
 struct Bfloat {
     typedef u16 bits;
     static __device__ __forceinline__ double value(bits x) { return widen(bf16_to_f32(x)); }
-    static __device__ __forceinline__ bool word_nonfinite(u32 w) {
-        return ((w & 0x7f80u) == 0x7f80u) | ((w & 0x7f800000u) == 0x7f800000u);
-    }
-    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
-        return word_nonfinite(v.x) | word_nonfinite(v.y) | word_nonfinite(v.z) | word_nonfinite(v.w);
-    }
+    static __device__ __forceinline__ float load(bits x) { return bf16_to_f32(x); }
+    static __device__ __forceinline__ bits store(float f) { return f32_to_bf16(f); }
+    static __device__ __forceinline__ bool vector_nonfinite(uint4 v) { return halves_nonfinite<0x7f80u>(v); }
     static __device__ __forceinline__ bool nonfinite(bits x) { return (x & 0x7f80u) == 0x7f80u; }
 };
 
@@ -393,89 +384,109 @@ __device__ __forceinline__ const long long* stage_layout(const long long* layout
     return staged;
 }
 
-// Check then multiply one element in place; returns true if it was inf/nan.
+// A 16-byte vector of elements: the unit the walks below load and store.
 template <class Type>
-__device__ __forceinline__ bool apply(typename Type::bits* element, float factor) {
-    typename Type::bits x = *element;
-    *element = Type::multiply(x, factor);
-    return Type::nonfinite(x);
-}
+union Vector {
+    uint4 raw;
+    typename Type::bits lanes[16 / sizeof(typename Type::bits)];
+};
 
-// Elements [first, last) of a dense tensor starting at `base`: a scalar head up to 16-byte alignment,
-// a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache hints: every byte is
-// read and written once), and a scalar tail.
-template <class Type>
-__device__ bool apply_dense(u64 base, long long first, long long last, float factor) {
-    typedef typename Type::bits bits;
-    const int vec = 16 / sizeof(bits);
+// What a walk does per element, each op reporting whether it saw inf/nan. Multiply: in place, by a
+// factor (the loss's scale, the gradients' inverse scale), checked before multiplying.
+template <class T>
+struct Multiply {
+    typedef T Type;
+    static constexpr bool kWrites = true;
+    float factor;
+    bool finite_factor;
+    __device__ explicit Multiply(float f)
+        : factor(f), finite_factor((__float_as_uint(f) & 0x7f800000u) != 0x7f800000u) {}
+    __device__ __forceinline__ bool one(typename T::bits& x) {
+        const typename T::bits old = x;
+        x = T::multiply(old, factor);
+        return T::nonfinite(old);
+    }
+    __device__ __forceinline__ bool vector(Vector<T>& v) {
+        const bool bad = T::vector_nonfinite(v.raw);
+        if (!bad && finite_factor) {
+            T::multiply_finite(v.raw, factor);
+        } else {
+#pragma unroll
+            for (int lane = 0; lane < 16 / (int)sizeof(typename T::bits); ++lane) {
+                v.lanes[lane] = T::multiply(v.lanes[lane], factor);
+            }
+        }
+        return bad;
+    }
+};
+
+// SumSquares: read only, adding each element's square in float64 to this thread's sum, in walk order.
+template <class T>
+struct SumSquares {
+    typedef T Type;
+    static constexpr bool kWrites = false;
+    double sum = 0.0;
+    __device__ __forceinline__ bool one(const typename T::bits& x) {
+        sum = fma(T::value(x), T::value(x), sum);
+        return T::nonfinite(x);
+    }
+    __device__ __forceinline__ bool vector(const Vector<T>& v) {
+#pragma unroll
+        for (int lane = 0; lane < 16 / (int)sizeof(typename T::bits); ++lane) {
+            const double d = T::value(v.lanes[lane]);
+            sum = fma(d, d, sum);
+        }
+        return T::vector_nonfinite(v.raw);
+    }
+};
+
+// The one walk: elements [first, last) of a dense tensor starting at `base`, as a scalar head up to
+// 16-byte alignment, a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache
+// hints: every byte is read, and written, once), and a scalar tail. Returns true if any was inf/nan.
+template <class Op>
+__device__ bool walk_dense(u64 base, long long first, long long last, Op& op) {
+    typedef typename Op::Type::bits bits;
     bits* data = reinterpret_cast<bits*>(base);
     bool bad = false;
 
-    u64 first_address = base + (u64)first * sizeof(bits);
-    long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
-    long long body_first = first + head < last ? first + head : last;
-    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) {
-        bad |= apply<Type>(data + i, factor);
-    }
+    const u64 first_address = base + (u64)first * sizeof(bits);
+    const long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
+    const long long body_first = first + head < last ? first + head : last;
+    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) bad |= op.one(data[i]);
 
-    const bool finite_factor = (__float_as_uint(factor) & 0x7f800000u) != 0x7f800000u;
-    union Vector {
-        uint4 raw;
-        bits lanes[vec];
-    };
-    long long vectors = (last - body_first) / vec;
-    Vector* body = reinterpret_cast<Vector*>(data + body_first);
+    const long long lanes = 16 / sizeof(bits), vectors = (last - body_first) / lanes;
+    Vector<typename Op::Type>* body = reinterpret_cast<Vector<typename Op::Type>*>(data + body_first);
     for (long long v = threadIdx.x; v < vectors; v += (long long)kUnroll * blockDim.x) {
-        Vector loaded[kUnroll];
+        Vector<typename Op::Type> loaded[kUnroll];
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            long long index = v + (long long)k * blockDim.x;
+            const long long index = v + (long long)k * blockDim.x;
             if (index < vectors) loaded[k].raw = __ldcs(&body[index].raw);
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            long long index = v + (long long)k * blockDim.x;
+            const long long index = v + (long long)k * blockDim.x;
             if (index < vectors) {
-                bool vector_bad = Type::vector_nonfinite(loaded[k].raw);
-                if (!vector_bad && finite_factor) {
-                    Type::multiply_finite(loaded[k].raw, factor);
-                } else {
-#pragma unroll
-                    for (int lane = 0; lane < vec; ++lane) {
-                        loaded[k].lanes[lane] = Type::multiply(loaded[k].lanes[lane], factor);
-                    }
-                }
-                bad |= vector_bad;
-                __stcs(&body[index].raw, loaded[k].raw);
+                bad |= op.vector(loaded[k]);
+                if constexpr (Op::kWrites) __stcs(&body[index].raw, loaded[k].raw);
             }
         }
     }
 
-    for (long long i = body_first + vectors * vec + threadIdx.x; i < last; i += blockDim.x) {
-        bad |= apply<Type>(data + i, factor);
-    }
+    for (long long i = body_first + vectors * lanes + threadIdx.x; i < last; i += blockDim.x) bad |= op.one(data[i]);
     return bad;
 }
 
-// Elements [first, last) (in C order) of a strided tensor; `staged` holds its layout (ndim, extents,
-// strides), already in shared memory.
-template <class Type>
-__device__ bool apply_strided(u64 base, const long long* staged, long long first, long long last, float factor) {
-    typedef typename Type::bits bits;
-    bits* origin = reinterpret_cast<bits*>(base);
+// Elements [first, last) (in C order) of one tensor, whichever its layout (null: dense). Must be reached by
+// every thread of the block (it synchronizes to stage a strided layout in shared memory).
+template <class Op>
+__device__ bool walk(u64 base, const long long* layout, long long first, long long last, Op& op) {
+    if (layout == nullptr) return walk_dense(base, first, last, op);
+    const long long* staged = stage_layout(layout);
+    typename Op::Type::bits* origin = reinterpret_cast<typename Op::Type::bits*>(base);
     bool bad = false;
-    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) {
-        bad |= apply<Type>(origin + strided_offset(staged, i), factor);
-    }
+    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) bad |= op.one(origin[strided_offset(staged, i)]);
     return bad;
-}
-
-// Elements [first, last) of one tensor, whichever its layout (null: dense). Must be reached by every
-// thread of the block (it synchronizes to stage a strided layout in shared memory).
-template <class Type>
-__device__ bool apply_range(u64 base, const long long* layout, long long first, long long last, float factor) {
-    if (layout == nullptr) return apply_dense<Type>(base, first, last, factor);
-    return apply_strided<Type>(base, stage_layout(layout), first, last, factor);
 }
 
 // The sum of `x` over the block, in a fixed order (the same bits every run); valid in thread 0.

@@ -8,25 +8,7 @@
 
 namespace cupy_amp {
 
-// Element types as the optimizers see them: float32 values, loaded and stored four at a time.
-struct Half16 {
-    typedef u16 bits;
-    static __device__ __forceinline__ float load(bits x) { return f16_to_f32(x); }
-    static __device__ __forceinline__ bits store(float f) { return f32_to_f16(f); }
-};
-
-struct Bfloat16 {
-    typedef u16 bits;
-    static __device__ __forceinline__ float load(bits x) { return bf16_to_f32(x); }
-    static __device__ __forceinline__ bits store(float f) { return f32_to_bf16(f); }
-};
-
-struct Float32 {
-    typedef u32 bits;
-    static __device__ __forceinline__ float load(bits x) { return __uint_as_float(x); }
-    static __device__ __forceinline__ bits store(float f) { return __float_as_uint(f); }
-};
-
+// Elements as the optimizers see them (the common family's load and store): float32 values, four at a time.
 template <class T>
 __device__ __forceinline__ void load4(u64 address, float out[4]) {
     if constexpr (sizeof(typename T::bits) == 2) {
@@ -111,26 +93,26 @@ __device__ void optimizer_step(const OptimizerArgs& args) {
             const long long offset = 4 * q;
             float g[4], p[4], m[4] = {0, 0, 0, 0}, v[4] = {0, 0, 0, 0};
             load4<Grad>(chunk.grad + offset * sizeof(typename Grad::bits), g);
-            load4<Float32>(weights + offset * 4, p);
-            if (chunk.first_moment != 0) load4<Float32>(chunk.first_moment + offset * 4, m);
-            if (chunk.second_moment != 0) load4<Float32>(chunk.second_moment + offset * 4, v);
+            load4<Single>(weights + offset * 4, p);
+            if (chunk.first_moment != 0) load4<Single>(chunk.first_moment + offset * 4, m);
+            if (chunk.second_moment != 0) load4<Single>(chunk.second_moment + offset * 4, v);
 #pragma unroll
             for (int k = 0; k < 4; ++k) Rule::update(h, g[k], p[k], m[k], v[k]);
-            store4<Float32>(weights + offset * 4, p);
+            store4<Single>(weights + offset * 4, p);
             if constexpr (kMaster) store4<Param>(chunk.param + offset * sizeof(typename Param::bits), p);
-            if (chunk.first_moment != 0) store4<Float32>(chunk.first_moment + offset * 4, m);
-            if (chunk.second_moment != 0) store4<Float32>(chunk.second_moment + offset * 4, v);
+            if (chunk.first_moment != 0) store4<Single>(chunk.first_moment + offset * 4, m);
+            if (chunk.second_moment != 0) store4<Single>(chunk.second_moment + offset * 4, v);
         }
         for (long long i = 4 * quads + threadIdx.x; i < chunk.count; i += blockDim.x) {
             const float g = load1<Grad>(chunk.grad, i);
-            float p = load1<Float32>(weights, i);
-            float m = chunk.first_moment != 0 ? load1<Float32>(chunk.first_moment, i) : 0.0f;
-            float v = chunk.second_moment != 0 ? load1<Float32>(chunk.second_moment, i) : 0.0f;
+            float p = load1<Single>(weights, i);
+            float m = chunk.first_moment != 0 ? load1<Single>(chunk.first_moment, i) : 0.0f;
+            float v = chunk.second_moment != 0 ? load1<Single>(chunk.second_moment, i) : 0.0f;
             Rule::update(h, g, p, m, v);
-            store1<Float32>(weights, i, p);
+            store1<Single>(weights, i, p);
             if constexpr (kMaster) store1<Param>(chunk.param, i, p);
-            if (chunk.first_moment != 0) store1<Float32>(chunk.first_moment, i, m);
-            if (chunk.second_moment != 0) store1<Float32>(chunk.second_moment, i, v);
+            if (chunk.first_moment != 0) store1<Single>(chunk.first_moment, i, m);
+            if (chunk.second_moment != 0) store1<Single>(chunk.second_moment, i, v);
         }
     }
 }
@@ -180,9 +162,9 @@ extern "C" __global__ void __launch_bounds__(1) cupy_amp_sgd_begin(const cupy_am
     }
 
 // Gradients have their parameter's dtype.
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float16, Half16)
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_bfloat16, Bfloat16)
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float32, Float32)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float16, Half16)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_bfloat16, Bfloat16)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float32, Float32)
+CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float16, Half)
+CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_bfloat16, Bfloat)
+CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float32, Single)
+CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float16, Half)
+CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_bfloat16, Bfloat)
+CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float32, Single)

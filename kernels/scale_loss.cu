@@ -1,17 +1,17 @@
-// In-place loss scaling: loss *= scale, float16/float32 in float32 arithmetic, float64 in float64,
-// whatever the loss's shape and strides. Blocks walk chunks of `chunk_size` elements grid-stride.
+// In-place loss scaling: loss *= the state's scale, float16/float32 in float32 arithmetic, float64 in
+// float64, whatever the loss's shape and strides. Blocks walk chunks of `chunk_size` elements
+// grid-stride. NumPy reference: cupy_amp.numpy_backend.scale_loss.
 #include "common.cuh"
 
 namespace cupy_amp {
 
 template <class Type>
 __device__ void scale_loss(const ScaleArgs& args) {
-    const State* state = reinterpret_cast<const State*>(args.state);
-    const float factor = state != nullptr ? state->scale : args.scale;
+    Multiply<Type> op(reinterpret_cast<const State*>(args.state)->scale);
     for (long long first = (long long)blockIdx.x * args.chunk_size; first < args.numel;
          first += (long long)gridDim.x * args.chunk_size) {
         long long last = first + args.chunk_size < args.numel ? first + args.chunk_size : args.numel;
-        apply_range<Type>(args.base, reinterpret_cast<const long long*>(args.layout), first, last, factor);
+        walk(args.base, reinterpret_cast<const long long*>(args.layout), first, last, op);
     }
 }
 

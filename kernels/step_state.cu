@@ -1,5 +1,6 @@
-// A sync-free scaler's step, on its State in device memory: each entry runs as one thread, so the
+// A scaler's step, on its State in device memory: each entry runs as one thread, so the
 // host never reads the state to decide anything and a captured graph replays the whole step.
+// NumPy reference: cupy_amp.numpy_backend.HostState and cupy_amp.rule.next_state.
 #include "common.cuh"
 
 namespace cupy_amp {
@@ -17,6 +18,8 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
 // cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
+    if (s->updated_epoch == s->epoch) return;  // a retried update (after an interrupt) applies the rule once
+    s->updated_epoch = s->epoch;
     const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
     const float old = s->scale;
     float scale = old;

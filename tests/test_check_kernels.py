@@ -171,10 +171,10 @@ def test_catastrophic_error_points_at_its_line(kernel_copy: Path) -> None:
             "cupy_amp::Chunk::first",
         ),
         # A field's type changed to another of the same size.
-        ("    float inv_scale;", "    int inv_scale;", "cupy_amp::UnscaleArgs::inv_scale"),
+        ("    float max_norm;", "    int max_norm;", "cupy_amp::FinishArgs::max_norm"),
         # A field added, changing the size, and one added into the padding, not changing it.
-        ("    float scale;\n};", "    float scale;\n    long long planted;\n};", "cupy_amp::ScaleArgs"),
-        ("    float scale;\n};", "    float scale;\n    int planted;\n};", "more elements"),
+        ("    u64 state;             // State*: the loss", "    u64 planted;\n    u64 state;", "cupy_amp::ScaleArgs"),
+        ("    unsigned char finite;", "    unsigned char finite;\n    unsigned char planted;", "more elements"),
     ],
     ids=["swapped", "retyped", "added", "added-into-padding"],
 )
