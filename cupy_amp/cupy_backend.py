@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -26,7 +26,6 @@ import numpy as np
 
 from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
-from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import (
     CHUNK,
     CHUNK_BYTES,
@@ -38,7 +37,7 @@ from cupy_amp.kernel_interface import (
     UNSCALE_ARGS,
     UNSCALE_DTYPE_NAMES,
 )
-from cupy_amp.kernel_launch import MAX_GRID, _function, _Launcher, _on_device, launcher, refuse_capture
+from cupy_amp.kernel_launch import MAX_GRID, _function, _Launcher, _on_device, launcher, order_after, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.statistics import GradientStats
@@ -49,6 +48,7 @@ __all__ = [
     "DeviceState",
     "DeviceStats",
     "as_array",
+    "capturing",
     "location",
     "prepare",
     "refuse_capture",
@@ -94,6 +94,11 @@ def write_problem(array: cupy.ndarray, source: Any) -> str | None:
     if array.ndim > MAX_NDIM:
         return f"it has {array.ndim} dimensions, more than the kernels' {MAX_NDIM}"
     return None
+
+
+def capturing() -> bool:
+    """Return whether the current stream is capturing a CUDA graph."""
+    return bool(cupy.cuda.get_current_stream().is_capturing())
 
 
 def location(array: cupy.ndarray) -> tuple[int, int]:
@@ -267,7 +272,7 @@ class DeviceStats:
     its views hold the latest ``check()``'s values.
     """
 
-    def __init__(self, device: int, finite: Any) -> None:
+    def __init__(self, device: int, finite: Any, read_on: Callable[[Any], None]) -> None:
         self.device = device
         with _on_device(device):
             self._finish = launcher("grad_stats.cu", "cupy_amp_finish_stats")  # loaded now, not inside a capture
@@ -282,6 +287,7 @@ class DeviceStats:
         self.values = self._memory[: 2 * 8].view(np.float64)
         norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
         self.result = GradientStats(norm, clip, finite, self.address, device)
+        self.result.read_on = read_on
 
     def _field(self, name: str, dtype: type) -> cupy.ndarray:
         offset = _STATS_FIELDS[name]
@@ -336,6 +342,10 @@ class DeviceStats:
 # Sync-free scalers: their state in device memory (the State struct), stepped by one-thread kernels.
 
 _owners = itertools.count(1)  # each DeviceState's number, the high 32 bits of its epochs
+_OTHER_STREAM = (
+    "The scaler's last work (or the optimizer step that read its statistics) was queued on another stream than "
+    "the one being captured: run the eager steps on the capturing stream, or synchronize before capturing."
+)
 _owners_lock = threading.Lock()
 
 
@@ -372,8 +382,9 @@ class DeviceState:
         self._host = np.frombuffer(self._pinned, dtype=STATE, count=1)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
-        self.stats = DeviceStats(device, self.finite)
+        self.stats = DeviceStats(device, self.finite, self.read_on)
         self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
+        self._order = threading.Lock()  # the last stream is read and replaced in one step
         self.restore(config, state, overflow, local, epoch)
 
     def follow(self) -> Any:
@@ -383,20 +394,16 @@ class DeviceState:
             ScalerProtocolError: The current stream is capturing a CUDA graph and the last work
                 went to another stream (a capture cannot wait for work outside it).
         """
-        with _on_device(self.device):
+        with _on_device(self.device), self._order:
             stream = cupy.cuda.get_current_stream()
-            last = self._last_stream
-            if last is not None and last.ptr != stream.ptr:
-                if stream.is_capturing():
-                    raise ScalerProtocolError(
-                        "The scaler's last work was queued on another stream than the one being captured: run "
-                        "the eager steps on the capturing stream, or synchronize before capturing."
-                    )
-                event = cupy.cuda.Event(disable_timing=True)
-                event.record(last)
-                stream.wait_event(event)
+            order_after(self._last_stream, stream, _OTHER_STREAM)
             self._last_stream = stream
         return stream
+
+    def read_on(self, stream: Any) -> None:
+        """Note that work on ``stream`` (an optimizer) reads the state's records: its next work waits for that."""
+        with self._order:
+            self._last_stream = stream
 
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):

@@ -22,7 +22,7 @@ import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.dtypes import bfloat16, dtype_name, is_bfloat16
-from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError
+from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError, ScalerProtocolError
 
 __all__ = ["Call", "CallCache", "Footprint", "GradientSet", "StepClaims", "describe", "parse_gradients", "parse_loss"]
 
@@ -224,10 +224,9 @@ def parse_gradients(
     call = gradients._call if type(gradients) is GradientSet else None
     if call is None or not call.cacheable:
         call = cache.lookup(gradients) if cache is not None else None
+    fresh = call is None
     if call is None:
         call = _parse(gradients)
-        if cache is not None and call.cacheable:
-            cache.store(gradients, call)
     if in_place and call.bfloat16:
         raise GradientTypeError(
             "unscale_and_check cannot take bfloat16 gradients (they are never unscaled in place): use "
@@ -238,7 +237,25 @@ def parse_gradients(
             f"With a communicator, every gradient of a call must be on one device (the communicator's); "
             f"got devices {list(call.devices)}."
         )
+    if call.backend is not None and type(gradients) is not GradientSet and call.backend.capturing():
+        raise ScalerProtocolError(
+            "A CUDA graph capture needs the gradients as the GradientSet from scaler.prepare(gradients): the set "
+            "keeps the device tables the graph replays alive for as long as the set lives, where the tables of a "
+            "plain list or dict can be freed by later calls. Capture with the set, and keep it while the graph is "
+            "replayed."
+        )
+    if fresh:  # every refusal is above: only a call that will run gets device work
+        call = _prepared(call)
+        if cache is not None and call.cacheable:
+            cache.store(gradients, call)
     return call
+
+
+def _prepared(call: Call) -> Call:
+    """Return ``call`` with its backend's plan (CuPy: device tables, built or found in the table cache)."""
+    if call.backend is None:
+        return call
+    return call._replace(plan=call.backend.prepare(call.arrays))
 
 
 def _parse(gradients: Any) -> Call:
@@ -277,11 +294,10 @@ def _parse(gradients: Any) -> Call:
         return Call((), (), None, (), None, False)
     footprints = tuple(_footprint(backend, array) for array in arrays)
     _check_disjoint(labels, footprints)
-    plan = backend.prepare(arrays)
     cacheable = native and backend.LAYOUT_FIXED
     has_bfloat16 = bfloat16() is not None and any(is_bfloat16(array.dtype) for array in arrays)
     devices = tuple(sorted({footprint.device for footprint in footprints}))
-    return Call(tuple(labels), tuple(arrays), backend, footprints, plan, cacheable, has_bfloat16, devices)
+    return Call(tuple(labels), tuple(arrays), backend, footprints, None, cacheable, has_bfloat16, devices)
 
 
 def _check_disjoint(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:
@@ -352,7 +368,7 @@ class GradientSet:
             self._keys = None
             self._values = tuple(value for _, value in _entries(gradients))
         self._call: Call | None = None
-        self._call = _parse(self)
+        self._call = _prepared(_parse(self))  # the set holds its device tables for its whole life
 
     def entries(self) -> list[tuple[Hashable, Any]]:
         """Return (position or name, array or None) pairs, in order."""

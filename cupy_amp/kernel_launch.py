@@ -21,7 +21,7 @@ import numpy as np
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import ENTRIES, STRUCTS, THREADS, compile_options, compile_source
 
-__all__ = ["MAX_GRID", "launcher", "refuse_capture"]
+__all__ = ["MAX_GRID", "launcher", "order_after", "refuse_capture"]
 
 MAX_GRID = 2**31 - 1  # the most blocks of a launch (gridDim.x); the kernels loop over the chunks beyond it
 
@@ -100,3 +100,21 @@ def refuse_capture(what: str) -> None:
             f"This call cannot run inside a CUDA graph capture: {what}. Before capturing, call "
             "scaler.prepare(gradients) and pass the GradientSet it returns (or run the step once)."
         )
+
+
+def order_after(last: Any, stream: Any, refusal: str) -> None:
+    """Make ``stream`` wait for the work queued so far on ``last`` (one event), when ``last`` is another stream.
+
+    Free on one stream (the common case): nothing is recorded or waited for.
+
+    Raises:
+        ScalerProtocolError: ``stream`` is capturing a CUDA graph (a capture cannot wait for work outside
+            it); the message is ``refusal``.
+    """
+    if last is None or last.ptr == stream.ptr:
+        return
+    if stream.is_capturing():
+        raise ScalerProtocolError(refusal)
+    event = cupy.cuda.Event(disable_timing=True)
+    event.record(last)
+    stream.wait_event(event)

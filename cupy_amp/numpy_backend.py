@@ -27,7 +27,17 @@ from cupy_amp.state import Verdict
 from cupy_amp.statistics import GradientStats, finish_host
 from cupy_amp.statistics import host_sums as sums_of
 
-__all__ = ["LAYOUT_FIXED", "NAME", "HostState", "HostStats", "location", "prepare", "scale_loss", "write_problem"]
+__all__ = [
+    "LAYOUT_FIXED",
+    "NAME",
+    "HostState",
+    "HostStats",
+    "capturing",
+    "location",
+    "prepare",
+    "scale_loss",
+    "write_problem",
+]
 
 NAME = "numpy"
 # NumPy lets an array's strides, dtype and writability change in place: validate on every call.
@@ -46,6 +56,11 @@ def write_problem(array: np.ndarray, source: Any) -> str | None:
 def location(array: np.ndarray) -> tuple[int, int]:
     """Return (address of element [0, ..., 0], device): the host is device -1."""
     return array.__array_interface__["data"][0], -1
+
+
+def capturing() -> bool:
+    """The host records no CUDA graphs."""
+    return False
 
 
 def prepare(arrays: Sequence[np.ndarray]) -> None:

@@ -347,8 +347,8 @@ class GradScaler(Face):
             self._bad_votes[id(state)] = verdict.bad_votes
             raise CommunicatorError(
                 "The all-reduce answered something impossible: not a maximum over the ranks' 0/1 flags "
-                "(unscale_and_check), or not a count of ranks with inf/nan (check). The communicator did not run "
-                "the expected reduction; the step counts as an overflow."
+                "(unscale_and_check), or not a count of ranks with inf/nan or no sum of the ranks' sums of squares "
+                "(check). The communicator did not run the expected reduction; the step counts as an overflow."
             )
         if culprits is None:
             culprits = state.culprits(call.plan, verdict.epoch) if verdict.local else ()

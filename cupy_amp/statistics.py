@@ -112,6 +112,8 @@ class GradientStats:
         self.source = source  # the host's 0-d STATS record, or the device record's address
         self.device = device  # where the record is (-1: the host)
         self.stream: Any = None  # the CuPy stream the latest check() finished the record on (None on the host)
+        # Called with the stream an optimizer read the record on, so that the record's next writer waits for it.
+        self.read_on: Any = None
         self.step = step  # (the scaler's step machine, the step's number) of the check() that made these
 
     def for_step(self, step: Any, finite: Any = None) -> GradientStats:
@@ -120,7 +122,7 @@ class GradientStats:
             self.norm, self.clip_coefficient, self.finite if finite is None else finite, self.source, self.device,
             (step, step.number),
         )  # fmt: skip
-        stats.stream = self.stream
+        stats.stream, stats.read_on = self.stream, self.read_on
         return stats
 
     def current(self) -> bool:

@@ -107,15 +107,15 @@ class SyncFreeGradScaler(Face):
         """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.
 
         Raises:
-            CommunicatorError: Some vote's answer was no maximum of the ranks' flags (those steps were skipped).
+            CommunicatorError: Some all-reduce's answer was impossible (those steps were skipped).
         """
         state, overflow, local, epoch, bad_votes = self._state.snapshot()
         if bad_votes > self._bad_votes_reported:
             count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
             raise CommunicatorError(
                 f"{count} all-reduce(s) answered something impossible (no maximum of the ranks' 0/1 flags for "
-                "unscale_and_check, no count of ranks with inf/nan for check): the communicator did not run the "
-                "expected reduction. Those steps counted as overflows."
+                "unscale_and_check; no count of ranks with inf/nan, or no sum of the ranks' sums of squares, for "
+                "check): the communicator did not run the expected reduction. Those steps counted as overflows."
             )
         return state, overflow, local, epoch
 

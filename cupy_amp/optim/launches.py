@@ -9,17 +9,29 @@ only for CuPy parameters.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import cupy
 import numpy as np
 
-from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import PARAM_CHUNK, PARAM_DTYPE_NAMES
-from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, refuse_capture
+from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
 from cupy_amp.statistics import GradientStats
 
-__all__ = ["PARAM_CHUNK_ELEMENTS", "ParamTable", "load_optimizer", "optimizer_step", "param_tables", "refuse_capture"]
+__all__ = [
+    "PARAM_CHUNK_ELEMENTS",
+    "ParamTable",
+    "capturing",
+    "load_optimizer",
+    "optimizer_step",
+    "param_tables",
+    "refuse_capture",
+]
+
+_OTHER_STREAM = (
+    "The optimizer step is captured on another stream than the check() that wrote its statistics, or than the "
+    "optimizer's previous step: capture the whole step on one stream, and synchronize before capturing."
+)
 
 PARAM_CHUNK_ELEMENTS = 16384  # one block's share of a parameter
 
@@ -76,26 +88,23 @@ def load_optimizer(rule: str, device: int) -> None:
             launcher("optimizers.cu", f"cupy_amp_{rule}_{name}")
 
 
-def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: GradientStats | None) -> None:
+def optimizer_step(
+    rule: str, device: int, tables: list[ParamTable], hyper: int, stats: GradientStats | None, last: Any
+) -> Any:
     """Queue an optimizer step on the current stream: begin (reads ``stats``' record, if any), then every group.
 
-    A record last written on another stream is waited for (an event).
+    The stream first waits (an event) for a record last written on another
+    stream, and for the optimizer's own previous step (on ``last``) if that
+    went elsewhere; the record's next writer then waits for this stream.
+    Returns the stream.
 
     Raises:
         ScalerProtocolError: That other stream's work cannot be waited for inside a CUDA graph capture.
     """
     with _on_device(device):
         current = cupy.cuda.get_current_stream()
-        written = stats.stream if stats is not None else None
-        if written is not None and written.ptr != current.ptr:
-            if current.is_capturing():
-                raise ScalerProtocolError(
-                    "The optimizer step is captured on another stream than the check() that wrote its statistics: "
-                    "capture both on one stream."
-                )
-            event = cupy.cuda.Event(disable_timing=True)
-            event.record(written)
-            current.wait_event(event)
+        order_after(stats.stream if stats is not None else None, current, _OTHER_STREAM)
+        order_after(last, current, _OTHER_STREAM)
         stream = current.ptr
         begin = launcher("optimizers.cu", f"cupy_amp_{rule}_begin", threads=1)
         begin(1, stream, hyper=hyper, stats=0 if stats is None else stats.source)
@@ -104,3 +113,12 @@ def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int,
             launcher("optimizers.cu", table.entry)(
                 grid, stream, chunks=table.memory.data.ptr, chunk_count=table.chunk_count, hyper=hyper
             )
+        if stats is not None and stats.read_on is not None:
+            stats.read_on(current)
+    return current
+
+
+def capturing(device: int) -> bool:
+    """Return whether the device's current stream is capturing a CUDA graph."""
+    with _on_device(device):
+        return bool(cupy.cuda.get_current_stream().is_capturing())

@@ -89,6 +89,8 @@ class _FusedOptimizer:
         self._device_record: Any = None
         self._tables: Any = None
         self._table_key: tuple[int, ...] | None = None
+        self._captured: list[Any] = []  # every table list a CUDA graph capture used, kept while graphs may replay
+        self._stream: Any = None  # where the last step was queued: a step on another stream waits for it
         if self._device >= 0:
             from cupy_amp.optim import launches
 
@@ -262,14 +264,16 @@ class _FusedOptimizer:
             self._host_step(grads, stats)
             return
         tables = self._tables_for(grads)
+        if self._backend.capturing(self._device) and not any(kept is tables for kept in self._captured):
+            self._captured.append(tables)  # a graph replays them for as long as it lives: never freed
         hyper = int(self._device_record.data.ptr)
         self._torn = "a step was interrupted (or failed) between its launches"
         try:
-            self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, stats)
+            stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, stats, self._stream)
         except ScalerProtocolError:
             self._torn = None  # its one refusal comes before the first launch: nothing changed
             raise
-        self._torn, self._applied = None, None if stats is None else stats.step
+        self._torn, self._applied, self._stream = None, None if stats is None else stats.step, stream
 
     def _refuse_stale(self, stats: GradientStats | None) -> None:
         """Refuse statistics of a step that update() closed, or that this optimizer applied already."""

@@ -322,33 +322,3 @@ def test_work_on_another_stream_waits_for_the_states_last_update() -> None:
         loss = cupy.ones((), cupy.float32)
         scaler.scale_loss(loss)  # must read 8, not the 4 still in memory while `second` spins
         assert float(cupy.asnumpy(loss, stream=first)) == 8.0
-
-
-@pytest.mark.parametrize("face", [GradScaler, SyncFreeGradScaler])
-@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
-def test_an_update_interrupted_at_any_line_applies_the_device_rule_once(face: type, bad: bool) -> None:
-    # On the GPU the rule runs in a kernel queued by update(): an interrupt after the launch and before the
-    # step closes on the host leaves the step open, and the retry queues the kernel again. The state's own
-    # record of the step it last updated makes that second launch do nothing.
-    from interrupts import interrupted
-
-    from cupy_amp.step import IDLE
-
-    k, reached = 1, True
-    while reached:
-        scaler = face(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
-        scaler.scale_loss(cupy.ones((), cupy.float32))
-        grads = [cupy.full(3, 8.0, cupy.float32)]
-        if bad:
-            grads[0][1] = cupy.inf
-        assert bool(scaler.unscale_and_check(grads)) is not bad
-        reached = interrupted(scaler.update, k)
-        if scaler._step.phase != IDLE:
-            scaler.update()  # the retry a user makes after an interrupted update()
-        expected = 2.0 if bad else 8.0
-        (state,) = scaler._scaling.states.values() if isinstance(scaler, GradScaler) else [scaler._state]
-        device_state = state.snapshot()[0]  # what the kernels will use next, read from the device
-        assert (device_state.steps, device_state.scale) == (1, expected), f"line {k}: the rule applied twice"
-        assert (scaler.stats().steps, scaler.scale_factor()) == (1, expected), f"line {k}"
-        k += 1
-    assert k > 10  # the sweep went through update()'s lines
