@@ -317,6 +317,34 @@ def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_cl
     assert scaler.stats().remote_skipped_steps == 1
 
 
+class RecordingRanks(OtherRanks):
+    """OtherRanks that also keeps what this rank put into each all-reduce (read on the host: synchronizes)."""
+
+    def __init__(self, overflowed: float, sum_of_squares: float) -> None:
+        super().__init__(overflowed, sum_of_squares)
+        self.sent: list[list[float]] = []
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        self.sent.append(values.get(stream=stream).tolist())
+        super().reduce_sum(values, stream)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_rank_without_gradients_sends_its_own_zero_sums_every_step(scaler_class: type) -> None:
+    """check([]) on a GPU state puts this step's pair (0, 0) into the all-reduce, not the last step's answer."""
+    others = RecordingRanks(1.0, 64.0)  # another rank overflows in the first step
+    scaler = scaler_class(init_scale=1.0, comm=others)
+    seen = []
+    for _ in range(3):
+        stats = open_step(scaler, cupy).check([])
+        seen.append((bool(stats.finite), float(cupy.asnumpy(stats.norm))))
+        scaler.update()
+        others.others = (0.0, 64.0)  # from now on every rank is clean
+    assert others.sent == [[0.0, 0.0]] * 3
+    assert seen[0][0] is False and seen[1:] == [(True, 8.0), (True, 8.0)]
+    assert scaler.stats().skipped_steps == 1
+
+
 @pytest.mark.parametrize("scaler_class", SCALERS)
 def test_an_impossible_count_from_the_all_reduce_skips_the_step_and_is_reported(scaler_class: type) -> None:
     grads = [cupy.asarray(g) for g in gradients(np.random.default_rng(11), "float32", 1.0)]
