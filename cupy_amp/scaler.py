@@ -265,9 +265,14 @@ class GradScaler(Face):
 
         def parse() -> tuple[Call, State]:
             call = parse_gradients(gradients, self._cache, one_device=self._vote is not None)
-            return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+            state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+            for device in call.devices[1:] if lane.counts else ():
+                self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
+            return call, state
 
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
+            if lane.counts and len(call.devices) > 1:
+                return self._unscale_on_each_device(lane, call, ballot)
             return self._read(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
 
         def unscale() -> bool:
@@ -333,6 +338,20 @@ class GradScaler(Face):
 
         lane = self._lane
         return self._step.run(check)
+
+    def _unscale_on_each_device(self, lane: StateSet, call: Call, ballot: Ballot) -> tuple[int, ...]:
+        """Unscale a call whose gradients are on several devices (never with a communicator), then read each verdict.
+
+        Each device's groups are launched on that device, with the state placed
+        there (the kernels read the scale and the epoch from it); every launch
+        is queued before the first verdict is read. Returns the positions of
+        the gradients that held inf/nan, over the whole call.
+        """
+        queued = []
+        for device in call.devices:
+            part, state = call._replace(plan=tuple(g for g in call.plan if g.device == device)), lane.states[device]
+            queued.append((part, state, unscale_call(part, state, ballot)))
+        return tuple(sorted(p for part, state, culprits in queued for p in self._read(lane, state, part, culprits)))
 
     def _read(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.

@@ -152,6 +152,36 @@ def test_ranks_with_sharded_gradients_get_the_global_norm_and_one_verdict(scaler
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_rank_without_gradients_sends_its_own_zero_sums_every_step(scaler_class: type) -> None:
+    # A check() with no gradients must still put this step's own pair (no overflow, sum 0) into the
+    # all-reduce, not what the previous step's all-reduce left: that pair held the other ranks' sums (the norm
+    # grew step after step) and their overflow count (one overflow made every later step skip).
+    grads = gradients(13, np.float32)
+    world = FakeWorld(2)
+
+    def rank_body(world: FakeWorld, rank: int) -> list[tuple[float, bool]]:
+        scaler = scaler_class(init_scale=1.0, comm=FakeVote(world, rank))
+        seen = []
+        for step in range(4):
+            shard = [g.copy() for g in grads] if rank == 0 else []
+            if step == 1 and rank == 0:
+                shard[0][0] = np.inf
+            open_step(scaler)
+            stats = scaler.check(shard)
+            seen.append((float(stats.norm), bool(stats.finite)))
+            scaler.update()
+        return seen
+
+    results = run_ranks(world, rank_body)
+    expected = float64_norm(grads, 1.0)
+    for rank in (0, 1):
+        assert [finite for _, finite in results[rank]] == [True, False, True, True], rank
+        for step in (0, 2, 3):
+            assert abs(results[rank][step][0] - expected) <= float(np.spacing(np.float32(expected))), (rank, step)
+    assert [pair.tolist() for pair in world.sums[1]] == [[0.0, 0.0]] * 4
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
 def test_a_rank_whose_check_fails_still_joins_the_all_reduce_as_overflowed(scaler_class: type) -> None:
     world = FakeWorld(2)
 

@@ -1,6 +1,7 @@
 """One rank of a multi-process GPU test: python ddp_worker.py SCENARIO RANK WORLD PORT OUTDIR.
 
-Started by tests/gpu/test_multi_gpu.py, one process per GPU; each writes its
+Started by tests/gpu/test_multi_gpu.py, one process per GPU, with the
+repository and tests/ (for tests/helpers.py) on PYTHONPATH; each writes its
 results as JSON to OUTDIR/rank<RANK>.json for the parent to compare. A
 scenario name may end in "+raw" (a bare NcclCommunicator) or "+syncfree"
 (a SyncFreeGradScaler, its verdict read back only to report it).
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import cupy
 import numpy as np
+from helpers import open_step  # tests/, on the path test_multi_gpu.py gives the ranks
 
 from cupy_amp import GradScaler, GradScalerCheckpoint, SyncFreeGradScaler
 from cupy_amp.optim import AdamW
@@ -51,11 +53,6 @@ def stats_row(scaler: GradScaler) -> dict[str, object]:
     return scaler.stats().to_dict()
 
 
-def open_step(scaler: GradScaler) -> None:
-    """Scale a loss, as every step must before its gradient call (tests/helpers.py is not on this path)."""
-    scaler.scale_loss(cupy.ones((), cupy.float32))
-
-
 def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> dict[str, object]:
     """An inf on rank 0 only at scripted steps; every rank must skip and back off identically."""
     scaler = SCALER(init_scale=2.0**10, growth_interval=3, comm=comm)
@@ -65,7 +62,7 @@ def scripted_remote_overflow(rank: int, world: int, comm: object, out: Path) -> 
         grads = {"w": cupy.ones((64, 64), cupy.float16), "b": cupy.ones(64, cupy.float32)}
         if rank == 0 and step in inf_steps:
             grads["w"][5, 7] = cupy.inf
-        open_step(scaler)
+        open_step(scaler, cupy)
         finite = bool(scaler.unscale_and_check(grads))
         results["finite"].append(finite)
         results["culprits"].append(scaler.nonfinite_gradients())
@@ -85,7 +82,7 @@ def no_gradients(rank: int, world: int, comm: object, out: Path) -> dict[str, ob
             grads = [cupy.ones(1000, cupy.float32)]
             if step in (1, 6):
                 grads[0][999] = cupy.nan
-        open_step(scaler)  # a rank without gradients scales its loss too: every rank makes the same calls
+        open_step(scaler, cupy)  # a rank without gradients scales its loss too: every rank makes the same calls
         results["finite"].append(bool(scaler.unscale_and_check(grads)))
         scaler.update()
         results["stats"].append(stats_row(scaler))
@@ -110,7 +107,7 @@ def data_parallel(rank: int, world: int, comm: object, out: Path, use_comm: bool
         injected_rank = int(rng.integers(0, world * 4))  # about one step in four, on one rank
         if injected_rank == rank:
             grad[0, 0] = cupy.inf
-        open_step(scaler)
+        open_step(scaler, cupy)
         finite = scaler.unscale_and_check([grad])
         if SCALER is SyncFreeGradScaler:
             scaler.apply_if_finite([weights], [weights - 0.01 * grad.astype(cupy.float32)])
@@ -133,7 +130,7 @@ def checkpoint_rank0_save(rank: int, world: int, comm: object, out: Path) -> dic
         grads = [cupy.ones(100, cupy.float32)]
         if rank == 1 and step == 3:
             grads[0][0] = cupy.inf
-        open_step(scaler)
+        open_step(scaler, cupy)
         scaler.unscale_and_check(grads)
         scaler.update()
     path = out / "scaler.ckpt"
@@ -197,7 +194,7 @@ def sharded_check_adamw(rank: int, world: int, comm: object, out: Path) -> dict[
             grad[17] = cupy.nan
         results["local_sums"].append(float(cupy.sum(grad.astype(cupy.float64) ** 2)))
         scale = scaler.scale_factor()
-        open_step(scaler)
+        open_step(scaler, cupy)
         stats = scaler.check([grad], max_norm=50.0)
         optimizer.step([grad], stats)  # each rank updates the same weights from its own shard here
         results["norms"].append(float(cupy.asnumpy(stats.norm)) * scale)

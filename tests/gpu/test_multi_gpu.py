@@ -40,8 +40,9 @@ def run_ranks(scenario: str, tmp_path: Path) -> list[dict]:
     if _gpu_count() < WORLD:
         pytest.skip(f"needs {WORLD} GPUs, found {_gpu_count()}")
     port = _free_port()
-    root = str(Path(__file__).resolve().parents[2])
-    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    root = Path(__file__).resolve().parents[2]
+    # The repository (cupy_amp) and tests/ (helpers, shared with the in-process tests).
+    path = os.pathsep.join(filter(None, [str(root), str(root / "tests"), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     procs = [
         subprocess.Popen(

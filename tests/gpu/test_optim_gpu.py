@@ -142,9 +142,8 @@ def test_fused_optimizers_match_the_numpy_reference_bit_for_bit(name: str, dtype
     assert device_opt.step_count == host_opt.step_count == 28
     for d, h in zip(device_params, host_params):
         assert_same_bits(cupy.asnumpy(d), h)
-    for key in ("master", *device_opt._moments):
-        device_buffers = device_opt.state_dict()["buffers"][key]
-        assert device_buffers == host_opt.state_dict()["buffers"][key]
+    # The float32 masters and every moment buffer (the optimizer's layout names them), bit for bit.
+    assert device_opt.state_dict()["buffers"] == host_opt.state_dict()["buffers"]
 
 
 @pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
@@ -182,6 +181,7 @@ def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eage
             scaler = SyncFreeGradScaler(init_scale=2.0**8, growth_interval=5)
             opt = AdamW([weights], lr=1e-2)
             prepared = scaler.prepare([grad])
+            checked: list[GradientStats] = []  # the latest check()'s statistics (a replay reuses the captured ones)
 
             def step() -> None:
                 seed.fill(1.0)
@@ -189,7 +189,8 @@ def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eage
                 cupy.sum(batch, axis=0, out=grad)
                 cupy.multiply(grad, weights, out=grad)
                 cupy.multiply(grad, seed, out=grad)
-                opt.step([grad], scaler.check(prepared, max_norm=0.5))
+                checked[:] = [scaler.check(prepared, max_norm=0.5)]
+                opt.step([grad], checked[0])
                 scaler.update()
 
             batch.set(batches[0])
@@ -203,7 +204,7 @@ def test_a_captured_step_with_clipping_and_adamw_replays_bit_identically_to_eage
                 else:
                     step()
                 stats.append(scaler.stats().to_dict())
-                norms.append(float(scaler._state.stats.result.norm))
+                norms.append(float(checked[0].norm))  # a view of the scaler's record: this step's norm
             stats.append({"optimizer_steps": opt.step_count})
             return cupy.asnumpy(weights), stats, norms
 
@@ -307,13 +308,41 @@ def test_with_a_communicator_the_norm_and_the_verdict_cover_every_rank(scaler_cl
     scaler.update()
     weights = [cupy.zeros_like(g) for g in grads]
     optimizer = SGD(weights, lr=1.0)
-    scaler._vote = OtherRanks(1.0, 0.0)  # another rank overflows: every rank skips
+    others.others = (1.0, 0.0)  # another rank overflows: every rank skips
     stats = open_step(scaler, cupy).check(grads, max_norm=1.0)
     optimizer.step(grads, stats)
     assert not bool(stats.finite) and scaler.had_overflow() and scaler.stats().last_overflow == "remote"
     assert optimizer.step_count == 0 and all(not bool(w.any()) for w in weights)
     scaler.update()
     assert scaler.stats().remote_skipped_steps == 1
+
+
+class RecordingRanks(OtherRanks):
+    """OtherRanks that also keeps what this rank put into each all-reduce (read on the host: synchronizes)."""
+
+    def __init__(self, overflowed: float, sum_of_squares: float) -> None:
+        super().__init__(overflowed, sum_of_squares)
+        self.sent: list[list[float]] = []
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        self.sent.append(values.get(stream=stream).tolist())
+        super().reduce_sum(values, stream)
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_a_rank_without_gradients_sends_its_own_zero_sums_every_step(scaler_class: type) -> None:
+    """check([]) on a GPU state puts this step's pair (0, 0) into the all-reduce, not the last step's answer."""
+    others = RecordingRanks(1.0, 64.0)  # another rank overflows in the first step
+    scaler = scaler_class(init_scale=1.0, comm=others)
+    seen = []
+    for _ in range(3):
+        stats = open_step(scaler, cupy).check([])
+        seen.append((bool(stats.finite), float(cupy.asnumpy(stats.norm))))
+        scaler.update()
+        others.others = (0.0, 64.0)  # from now on every rank is clean
+    assert others.sent == [[0.0, 0.0]] * 3
+    assert seen[0][0] is False and seen[1:] == [(True, 8.0), (True, 8.0)]
+    assert scaler.stats().skipped_steps == 1
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
