@@ -20,7 +20,7 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import cupy_backend, kernel_interface, kernel_launch
+from cupy_amp import SyncFreeGradScaler, cupy_backend, kernel_interface, kernel_launch
 
 
 def per_launch_us(launch: Any, launches: int, repeats: int) -> float:
@@ -42,26 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=15, help="samples (the median is shown)")
     args = parser.parse_args(argv)
     grads = [cupy.ones(16, dtype=cupy.float32)]
+    scaler = SyncFreeGradScaler(init_scale=1.0)
+    scaler.prepare(grads)  # places the scaler's State on the device: every launch reads its scale and flags
+    state = scaler._state.address
     (group,) = cupy_backend.prepare(grads)
     table = group.table
-    flag = cupy.zeros(1, dtype=cupy.int32)
     stream = cupy.cuda.get_current_stream()
-    factor = np.float32(1.0)
 
     def driver() -> None:
-        table.launch(1, stream.ptr, inv_scale=factor, epoch=1, found=flag.data.ptr)
+        table.launch(1, stream.ptr, state=state)
 
     kernel = kernel_launch._module("unscale_check.cu").get_function("cupy_amp_unscale_check_float32")
     record = np.zeros(1, kernel_interface.UNSCALE_ARGS)
     record["chunks"] = table.memory.data.ptr
-    record["layouts"] = table.memory.data.ptr + 32 * table.chunk_count
+    record["layouts"] = table.memory.data.ptr + kernel_interface.CHUNK.itemsize * table.chunk_count
     record["chunk_count"] = table.chunk_count
     record["tensor_found"] = table.tensor_found.data.ptr
-    record["found"] = flag.data.ptr
 
     def cupy_call() -> None:
-        record["inv_scale"] = factor
-        record["epoch"] = 1
+        record["state"] = state
         kernel((1,), (kernel_interface.THREADS,), (record,))
 
     for name, launch in (("driver launch, reused block", driver), ("CuPy RawKernel call", cupy_call)):

@@ -38,7 +38,7 @@ from bench_unscale import (
     interleaved_medians,
 )
 
-from cupy_amp import GradientSet, SyncFreeGradScaler, cupy_backend
+from cupy_amp import GradientSet, SyncFreeGradScaler
 from cupy_amp.gradients import parse_gradients
 from cupy_amp.optim import SGD, AdamW
 
@@ -123,11 +123,9 @@ def stats_kernels_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
     scaler.update()
     state = scaler._state
     call = parse_gradients(prepared)
-    found = state.address + cupy_backend._FOUND_OFFSET
 
     def run(i: int) -> None:
-        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), found=found, finite=0, state=state.address,
-                           epoch=0, inv_scale=np.float32(1), max_norm=1.0, voting=False)  # fmt: skip
+        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), state.address, 1.0, False)
 
     return cupy_event_timer(run, COVER)
 
