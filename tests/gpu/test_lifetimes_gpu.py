@@ -102,21 +102,23 @@ def test_the_next_step_waits_for_an_optimizer_on_another_stream_to_read_the_reco
     """Step 1 overflows; its optimizer step on stream B is late (behind a long kernel). Step 2 on stream A
     rewrites the statistics record with a clean verdict: it must wait until B has read step 1's "skip"."""
     a, b = cupy.cuda.Stream(non_blocking=True), cupy.cuda.Stream(non_blocking=True)
-    weights = cupy.zeros(1000, cupy.float32)
+    weights, grad = cupy.zeros(1000, cupy.float32), cupy.zeros(1000, cupy.float32)
     optimizer = SGD([weights], lr=1.0)
+    optimizer.step([grad], None)  # builds the tables now: building them waits for the stream, which would hide the race
     scaler = face(init_scale=1.0)
-    bad, clean = cupy.full(1000, cupy.inf, cupy.float32), cupy.ones(1000, cupy.float32)
     with a:
-        stats = open_step(scaler, cupy).check([bad])
+        grad.fill(cupy.inf)
+        stats = open_step(scaler, cupy).check([grad])
     with b:
         _SPIN((1,), (1,), (np.int64(500_000_000),))  # about a quarter of a second
-        optimizer.step([bad], stats)  # must read "skip"
+        optimizer.step([grad], stats)  # must read step 1's "skip"
     with a:
         scaler.update()
-        stats = open_step(scaler, cupy).check([clean])
-        optimizer.step([clean], stats)
+        grad.fill(1.0)
+        stats = open_step(scaler, cupy).check([grad])
+        optimizer.step([grad], stats)
     cupy.cuda.Device().synchronize()
-    assert optimizer.step_count == 1
+    assert optimizer.step_count == 2  # the warm-up and step 2
     assert cupy.asnumpy(weights).tolist() == [-1.0] * 1000
 
 
