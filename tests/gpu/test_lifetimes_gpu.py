@@ -106,6 +106,7 @@ def test_the_next_step_waits_for_an_optimizer_on_another_stream_to_read_the_reco
     optimizer = SGD([weights], lr=1.0)
     optimizer.step([grad], None)  # builds the tables now: building them waits for the stream, which would hide the race
     scaler = face(init_scale=1.0)
+    cupy.cuda.Device().synchronize()
     with a:
         grad.fill(cupy.inf)
         stats = open_step(scaler, cupy).check([grad])
