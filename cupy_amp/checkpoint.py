@@ -117,7 +117,7 @@ class GradScalerCheckpoint:
         scale = expect_scale(CheckpointFieldError, "scale", self.scale)
         if scale != self.scale:
             raise CheckpointFieldError(f"Invalid 'scale': expected a value float32 holds exactly, got {self.scale!r}.")
-        config.check_scale(scale, "scale", CheckpointFieldError)
+        config.refuse_out_of_range(scale, "scale", CheckpointFieldError)
         set_field(self, "scale", scale)
         for name in ("found_overflow", "found_overflow_local", "enabled"):
             set_field(self, name, expect_bool(CheckpointFieldError, name, getattr(self, name)))

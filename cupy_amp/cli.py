@@ -120,7 +120,7 @@ def _load(path: str) -> tuple[str, int, dict[str, object]]:
         if not isinstance(state, dict) or state.get("format") != state_file.STATE_FORMAT:
             raise not_a_checkpoint from None
         try:
-            layout, record, buffers = state_file.checked(state)
+            layout, record, buffers = state_file.validated(state)
         except CheckpointError as exc:
             raise CheckpointError(f"optimizer state {path!r}: {exc}") from None
         fields: dict[str, object] = {"kind": layout.kind}

@@ -1,8 +1,9 @@
 """The CuPy backend: fused CUDA kernels with the NumPy backend's exact bits.
 
 Gradients are grouped by (device, dtype); each group is one launch of the
-multi-tensor kernel over device tables (one chunk record per block of work),
-cached for the common case where the same memory comes back every step. Every
+multi-tensor kernel over device tables (:mod:`cupy_amp.device_tables`: one
+chunk record per block of work, cached for the common case where the same
+memory comes back every step). Every
 launch reads the scale, the step's epoch and its flags from a :class:`DeviceState`
 in device memory; only the synchronous face reads the verdict back, with one
 small copy per call (and, only after an overflow, of the per-gradient flags).
@@ -16,28 +17,18 @@ from __future__ import annotations
 
 import itertools
 import threading
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any
 
 import cupy
 import numpy as np
 
+from cupy_amp.device_tables import GradientGroup, dense_base, gradient_tables, layout_words
 from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
-from cupy_amp.kernel_interface import (
-    CHUNK,
-    CHUNK_BYTES,
-    ENTRIES,
-    MAX_NDIM,
-    STATE,
-    STATS,
-    STATS_ARGS,
-    UNSCALE_ARGS,
-    UNSCALE_DTYPE_NAMES,
-)
-from cupy_amp.kernel_launch import MAX_GRID, _function, _Launcher, _on_device, launcher, order_after, refuse_capture
+from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, STATS, UNSCALE_DTYPE_NAMES
+from cupy_amp.kernel_launch import MAX_GRID, _Launcher, _on_device, launcher, order_after, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.statistics import GradientStats
@@ -46,10 +37,11 @@ __all__ = [
     "LAYOUT_FIXED",
     "NAME",
     "DeviceState",
-    "DeviceStats",
+    "DeviceStatsRecord",
     "as_array",
     "capturing",
     "location",
+    "new_state",
     "prepare",
     "refuse_capture",
     "scale_loss",
@@ -61,7 +53,6 @@ NAME = "cupy"
 # elements), so a call validated once stays valid while the same array objects come back.
 LAYOUT_FIXED = True
 
-_TABLES_KEPT = 16
 _FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
 
@@ -106,29 +97,6 @@ def location(array: cupy.ndarray) -> tuple[int, int]:
     return array.data.ptr, array.data.device_id
 
 
-def dense_base(array: cupy.ndarray) -> int | None:
-    """Return the lowest address of ``array`` if its elements fill one gap-free block, else None.
-
-    Dense arrays (C- or F-ordered, transposed, reversed) are walked as flat
-    memory, which is valid because unscaling treats every element alike.
-    """
-    flags = array.flags
-    if array.ndim == 0 or flags.c_contiguous or flags.f_contiguous:
-        return int(array.data.ptr)
-    dims = sorted((abs(stride), extent) for extent, stride in zip(array.shape, array.strides) if extent > 1)
-    expected = array.itemsize
-    for stride, extent in dims:
-        if stride != expected:
-            return None
-        expected *= extent
-    offset = sum((extent - 1) * stride for extent, stride in zip(array.shape, array.strides) if stride < 0)
-    return int(array.data.ptr) + int(offset)
-
-
-def _layout(array: cupy.ndarray) -> list[int]:
-    return [array.ndim, *array.shape, *(stride // array.itemsize for stride in array.strides)]
-
-
 def scale_loss(loss: cupy.ndarray, state: int) -> None:
     """Multiply ``loss`` in place by the scale of ``state`` (a State's address).
 
@@ -141,7 +109,7 @@ def scale_loss(loss: cupy.ndarray, state: int) -> None:
         if base is None:
             refuse_capture("a loss with gaps between its elements needs its layout copied to the device")
             base = loss.data.ptr
-            layout = cupy.asarray(np.array(_layout(loss), dtype=np.int64))  # freed in stream order
+            layout = cupy.asarray(np.array(layout_words(loss), dtype=np.int64))  # freed in stream order
         chunk = CHUNK_BYTES // loss.itemsize
         launcher("scale_loss.cu", f"cupy_amp_scale_loss_{dtype_name(loss.dtype)}")(
             min(-(-loss.size // chunk), MAX_GRID),
@@ -154,102 +122,9 @@ def scale_loss(loss: cupy.ndarray, state: int) -> None:
         )
 
 
-class _Table(NamedTuple):
-    """The device tables of one (device, dtype) group: one kernel launch."""
-
-    chunk_count: int
-    memory: cupy.ndarray  # the chunk records, then the layouts of strided tensors
-    tensor_found: cupy.ndarray  # uint64 per tensor: the epoch of the last launch that saw inf/nan in it
-    launch: _Launcher | None  # the unscale kernel; None when the group has no elements, or is bfloat16
-    stats: _Launcher | None  # the statistics kernel; None when the group has no elements
-
-
-class _Group(NamedTuple):
-    device: int
-    positions: tuple[int, ...]  # of the group's arrays in the call
-    table: _Table
-
-
-_tables: OrderedDict[tuple[Any, ...], _Table] = OrderedDict()
-_tables_lock = threading.Lock()
-
-
-def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[_Group, ...]:
-    """Group ``arrays`` by (device, dtype) and describe each group in device tables.
-
-    A table is a pure function of the arrays' addresses, shapes, strides and
-    dtype, so the last few are kept and reused for any arrays with the same
-    key, even new ones allocated where freed ones were (fresh gradients every
-    step). Tables hold no reference to the arrays.
-    """
-    positions: dict[tuple[int, Any], list[int]] = {}
-    for position, array in enumerate(arrays):
-        positions.setdefault((array.data.device_id, array.dtype), []).append(position)
-    groups = []
-    for (device, dtype), members in positions.items():
-        key = (device, dtype, tuple((arrays[p].data.ptr, arrays[p].shape, arrays[p].strides) for p in members))
-        with _tables_lock:
-            table = _tables.get(key)
-            if table is not None:
-                _tables.move_to_end(key)
-        if table is None:
-            with _on_device(device):
-                table = _build_table([arrays[p] for p in members], str(dtype_name(dtype)))
-            with _tables_lock:
-                _tables[key] = table
-                while len(_tables) > _TABLES_KEPT:
-                    _tables.popitem(last=False)
-        groups.append(_Group(device, tuple(members), table))
-    return tuple(groups)
-
-
-def _build_table(arrays: list[cupy.ndarray], type_name: str) -> _Table:
-    """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
-    refuse_capture("these gradients' device tables are not built yet")
-    count = len(arrays)
-    per_chunk = CHUNK_BYTES // arrays[0].itemsize
-    bases = np.empty(count, dtype=np.int64)
-    sizes = np.empty(count, dtype=np.int64)
-    layout_of = np.full(count, -1, dtype=np.int64)
-    layouts: list[int] = []
-    for index, array in enumerate(arrays):
-        sizes[index] = array.size
-        base = dense_base(array)
-        if base is None:
-            bases[index], layout_of[index] = array.data.ptr, len(layouts)
-            layouts += _layout(array)
-        else:
-            bases[index] = base
-    counts = -(-sizes // per_chunk)
-    chunk_count = int(counts.sum())
-    tensor = np.repeat(np.arange(count, dtype=np.int64), counts)
-    first = (np.arange(chunk_count, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)) * per_chunk
-    last = np.minimum(first + per_chunk, sizes[tensor])
-    dense = layout_of[tensor] < 0
-    records = np.empty(chunk_count, dtype=CHUNK)
-    records["address"] = np.where(dense, bases[tensor] + first * arrays[0].itemsize, bases[tensor])
-    records["first"] = np.where(dense, 0, first)
-    records["last"] = np.where(dense, last - first, last)
-    records["tensor"] = tensor
-    records["layout"] = layout_of[tensor]
-    host = np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)])
-    stream = cupy.cuda.get_current_stream()
-    memory = cupy.empty(max(host.size, 1), dtype=np.uint8)
-    if host.size:
-        memory[: host.size].set(host, stream=stream)
-    tensor_found = cupy.zeros(count, dtype=np.uint64)
-    # A table may be launched from another stream or thread (a GradientSet, the shared cache): it must be
-    # complete on the device before it is handed out. Tables are built once per layout, so this wait is rare.
-    stream.synchronize()
-    launch = stats = None
-    if chunk_count:
-        tables = {"chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": chunk_count}
-        if type_name in UNSCALE_DTYPE_NAMES:
-            function = _function("unscale_check.cu", f"cupy_amp_unscale_check_{type_name}")
-            launch = _Launcher(function, UNSCALE_ARGS, tensor_found=tensor_found.data.ptr, **tables)
-        function = _function("grad_stats.cu", f"cupy_amp_gradient_stats_{type_name}")
-        stats = _Launcher(function, STATS_ARGS, tensor_found=tensor_found.data.ptr, **tables)
-    return _Table(chunk_count, memory, tensor_found, launch, stats)
+def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[GradientGroup, ...]:
+    """Describe ``arrays`` in device tables, one per (device, dtype) group (:mod:`cupy_amp.device_tables`)."""
+    return gradient_tables(arrays)
 
 
 # The read-only statistics pass (cupy_amp.statistics): one launch per dtype, then one block that finishes.
@@ -265,7 +140,7 @@ def _stats_grid() -> int:
     return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
 
 
-class DeviceStats:
+class DeviceStatsRecord:
     """A scaler's Stats record and the statistics blocks' sums of squares, on one device.
 
     The record is reused step after step (so a captured step keeps reading it):
@@ -293,7 +168,7 @@ class DeviceStats:
         offset = _STATS_FIELDS[name]
         return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
 
-    def _grids(self, plan: tuple[_Group, ...] | None) -> list[tuple[_Launcher, int]]:
+    def _grids(self, plan: tuple[GradientGroup, ...] | None) -> list[tuple[_Launcher, int]]:
         """Return each group's statistics launch and its blocks (groups without elements have none)."""
         launches = [(group.table.stats, group.table.chunk_count) for group in plan or ()]
         return [(launch, min(chunks, self._grid)) for launch, chunks in launches if launch is not None]
@@ -303,7 +178,7 @@ class DeviceStats:
         record: np.void = np.frombuffer(self._memory.get(stream=stream).tobytes(), dtype=STATS)[0]
         return record
 
-    def reserve(self, plan: tuple[_Group, ...] | None) -> None:
+    def reserve(self, plan: tuple[GradientGroup, ...] | None) -> None:
         """Make room for one sum per block of ``plan``'s launches (refused inside a CUDA graph capture)."""
         blocks = sum(grid for _, grid in self._grids(plan))
         if blocks > self._partials.size:
@@ -312,7 +187,7 @@ class DeviceStats:
             with _on_device(self.device):
                 self._partials = cupy.zeros(blocks, dtype=np.float64)
 
-    def gather(self, plan: tuple[_Group, ...], stream: Any, state: int, max_norm: float, voting: bool) -> None:
+    def gather(self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool) -> None:
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
         The kernels read the epoch and the scale from ``state`` (a State's
@@ -382,7 +257,7 @@ class DeviceState:
         self._host = np.frombuffer(self._pinned, dtype=STATE, count=1)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
-        self.stats = DeviceStats(device, self.finite, self.read_on)
+        self.stats = DeviceStatsRecord(device, self.finite, self.read_on)
         self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
         self._order = threading.Lock()  # the last stream is read and replaced in one step
         self.restore(config, state, overflow, local, epoch)
@@ -541,3 +416,10 @@ class DeviceState:
                 seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))
+
+
+def new_state(
+    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+) -> DeviceState:
+    """Return a scaler state in ``device``'s memory (allocates and synchronizes: never inside a capture)."""
+    return DeviceState(device, config, state, overflow, local, epoch)

@@ -31,13 +31,13 @@ __all__ = [
     "NcclVote",
     "OverflowVote",
     "cast_host_vote",
-    "check_sum_of_squares",
     "device_answer",
     "host_answer",
     "host_sums",
     "host_verdict",
     "overflow_count_verdict",
     "overflow_vote_for",
+    "refuse_impossible_sum",
     "require_sums",
     "sums_after_failure",
     "vote_after_failure",
@@ -242,7 +242,7 @@ def overflow_count_verdict(count: float, local_overflow: bool) -> bool:
     return count > 0 or local_overflow
 
 
-def check_sum_of_squares(total: float, own: float) -> None:
+def refuse_impossible_sum(total: float, own: float) -> None:
     """Refuse an all-reduced sum of squares that no sum of the ranks' shares can be.
 
     Every share is a sum of squares, so it is not negative: the total is at

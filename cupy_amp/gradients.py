@@ -13,16 +13,18 @@ from __future__ import annotations
 
 import bisect
 import operator
-import types
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.dtypes import bfloat16, dtype_name, is_bfloat16
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError, ScalerProtocolError
+
+if TYPE_CHECKING:
+    from cupy_amp.state import Backend
 
 __all__ = ["Call", "CallCache", "Footprint", "GradientSet", "StepClaims", "describe", "parse_gradients", "parse_loss"]
 
@@ -60,7 +62,7 @@ class Call(NamedTuple):
 
     labels: tuple[Hashable, ...]
     arrays: tuple[Any, ...]
-    backend: types.ModuleType | None
+    backend: Backend | None
     footprints: tuple[Footprint, ...]
     plan: Any
     cacheable: bool
@@ -73,7 +75,7 @@ def describe(label: Hashable) -> str:
     return f"gradient #{label}" if type(label) is int else f"gradient {label!r}"
 
 
-def _cupy_backend() -> types.ModuleType | None:
+def _cupy_backend() -> Backend | None:
     try:
         from cupy_amp import cupy_backend
     except ImportError:  # no CuPy: the NumPy path works without it
@@ -81,13 +83,13 @@ def _cupy_backend() -> types.ModuleType | None:
     return cupy_backend
 
 
-def _backend_of(obj: Any) -> tuple[types.ModuleType, Any] | None:
+def _backend_of(obj: Any) -> tuple[Backend, Any] | None:
     """Return the backend module for ``obj`` and ``obj`` as that backend's array, or None."""
     if isinstance(obj, np.ndarray):
         # A view of our own, whose layout no other thread can change between validation and the multiply
         # (NumPy arrays' strides and dtype are settable in place); a subclass (a masked array, a matrix)
         # is so judged and unscaled on its data, never through its own arithmetic.
-        return numpy_backend, obj.view(np.ndarray)
+        return numpy_backend, numpy_backend.as_array(obj)
     module = type(obj).__module__ or ""
     gpu_like = (
         module.startswith("cupy")
@@ -101,7 +103,7 @@ def _backend_of(obj: Any) -> tuple[types.ModuleType, Any] | None:
     return None if array is None else (backend, array)
 
 
-def _problem(backend: types.ModuleType, array: Any, source: Any) -> tuple[type[Exception], str] | None:
+def _problem(backend: Backend, array: Any, source: Any) -> tuple[type[Exception], str] | None:
     """Return (error class, reason) if ``array`` (made from ``source``) cannot be modified in place, else None."""
     if dtype_name(array.dtype) is None:
         return GradientTypeError, (
@@ -137,7 +139,7 @@ def _repeats_elements(shape: tuple[int, ...], strides: tuple[int, ...], itemsize
     return False
 
 
-def _footprint(backend: types.ModuleType, array: Any) -> Footprint:
+def _footprint(backend: Backend, array: Any) -> Footprint:
     address, device = backend.location(array)
     start = stop = address
     if array.size:
@@ -174,7 +176,7 @@ class _Layout:
         return np.asarray(self)
 
 
-def parse_loss(loss: Any) -> tuple[types.ModuleType, Any]:
+def parse_loss(loss: Any) -> tuple[Backend, Any]:
     """Return the backend and array for a loss, or raise if it cannot be scaled in place."""
     found = _backend_of(loss)
     if found is None:
@@ -261,7 +263,7 @@ def _prepared(call: Call) -> Call:
 def _parse(gradients: Any) -> Call:
     labels: list[Hashable] = []
     arrays: list[Any] = []
-    backend: types.ModuleType | None = None
+    backend: Backend | None = None
     first_label: Hashable = None
     native = True
     for label, entry in _entries(gradients):
@@ -293,14 +295,14 @@ def _parse(gradients: Any) -> Call:
     if backend is None:
         return Call((), (), None, (), None, False)
     footprints = tuple(_footprint(backend, array) for array in arrays)
-    _check_disjoint(labels, footprints)
+    _refuse_shared_memory(labels, footprints)
     cacheable = native and backend.LAYOUT_FIXED
     has_bfloat16 = bfloat16() is not None and any(is_bfloat16(array.dtype) for array in arrays)
     devices = tuple(sorted({footprint.device for footprint in footprints}))
     return Call(tuple(labels), tuple(arrays), backend, footprints, None, cacheable, has_bfloat16, devices)
 
 
-def _check_disjoint(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:
+def _refuse_shared_memory(labels: list[Hashable], footprints: tuple[Footprint, ...]) -> None:
     """Raise if two arrays of one call share memory; only arrays whose extents overlap are solved exactly."""
     order = sorted(range(len(footprints)), key=lambda i: footprints[i].start)
     active: list[int] = []

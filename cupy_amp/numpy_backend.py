@@ -15,10 +15,10 @@ import numpy as np
 from cupy_amp.distributed import (
     OverflowVote,
     cast_host_vote,
-    check_sum_of_squares,
     host_sums,
     host_verdict,
     overflow_count_verdict,
+    refuse_impossible_sum,
 )
 from cupy_amp.errors import CommunicatorError
 from cupy_amp.kernel_interface import STATS
@@ -31,10 +31,13 @@ __all__ = [
     "LAYOUT_FIXED",
     "NAME",
     "HostState",
-    "HostStats",
+    "HostStatsRecord",
+    "as_array",
     "capturing",
     "location",
+    "new_state",
     "prepare",
+    "refuse_capture",
     "scale_loss",
     "write_problem",
 ]
@@ -58,9 +61,25 @@ def location(array: np.ndarray) -> tuple[int, int]:
     return array.__array_interface__["data"][0], -1
 
 
+def as_array(obj: Any) -> np.ndarray | None:
+    """Return ``obj`` as a plain NumPy array (a view: subclasses are judged on their data), or None."""
+    return obj.view(np.ndarray) if isinstance(obj, np.ndarray) else None
+
+
 def capturing() -> bool:
     """The host records no CUDA graphs."""
     return False
+
+
+def refuse_capture(what: str) -> None:
+    """Nothing on the host is captured: nothing to refuse."""
+
+
+def new_state(
+    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+) -> HostState:
+    """Return a host state (``device`` is -1)."""
+    return HostState(config, state, overflow, local, epoch)
 
 
 def prepare(arrays: Sequence[np.ndarray]) -> None:
@@ -81,8 +100,8 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
         np.multiply(array, factor, out=array, dtype=np.float32, casting="same_kind")
 
 
-class HostStats:
-    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.cupy_backend.DeviceStats`)."""
+class HostStatsRecord:
+    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.cupy_backend.DeviceStatsRecord`)."""
 
     device = -1
 
@@ -108,7 +127,7 @@ class HostState:
         self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
         self.finite.flags.writeable = False
         self._answer: object = None
-        self.stats = HostStats(self.finite)
+        self.stats = HostStatsRecord(self.finite)
         self._sums = (0.0, 0.0)  # (overflowed ranks, sum of squares) of a check() waiting for its all-reduce
         self._own = 0.0  # this rank's own sum of squares, which the all-reduced one must contain
         self.restore(config, state, overflow, local, epoch)
@@ -183,7 +202,7 @@ class HostState:
         try:
             agreed = overflow_count_verdict(count, self._found)
             if not agreed:  # after an overflow the sums are meaningless: the step is skipped anyway
-                check_sum_of_squares(total, self._own)
+                refuse_impossible_sum(total, self._own)
         except CommunicatorError:
             if not total < 0.0:  # the record as far as it can be made (a negative sum has no square root)
                 self._finish(total, max_norm, True, self._own)

@@ -167,7 +167,7 @@ class ScalerConfig:
         """The smallest scale a backoff can reach: ``min_scale``, or :data:`SMALLEST_SCALE` without one."""
         return SMALLEST_SCALE if self.min_scale is None else self.min_scale
 
-    def check_scale(self, scale: float, name: str, error: type[Exception] = ConfigError) -> None:
+    def refuse_out_of_range(self, scale: float, name: str, error: type[Exception] = ConfigError) -> None:
         """Raise ``error`` if ``scale`` lies outside ``[min_scale, max_scale]``."""
         if self.min_scale is not None and scale < self.min_scale:
             raise error(f"Invalid {name!r}: expected a value >= min_scale ({self.min_scale!r}), got {scale!r}.")
@@ -208,7 +208,7 @@ def initial_state(config: ScalerConfig, init_scale: object) -> ScalerState:
         ConfigError: ``init_scale`` is no valid scale, or lies outside the clamps.
     """
     scale = expect_scale(ConfigError, "init_scale", init_scale)
-    config.check_scale(scale, "init_scale")
+    config.refuse_out_of_range(scale, "init_scale")
     return ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
 
 

@@ -1,14 +1,17 @@
-"""A scaler's state where its arrays are: the :class:`State` protocol, and the states a face keeps.
+"""A scaler's state where its arrays are, and the backends that hold it: the State and Backend protocols.
 
 Two implementations follow :class:`State`: :class:`cupy_amp.numpy_backend.HostState`
 (NumPy, the reference numerics) and :class:`cupy_amp.cupy_backend.DeviceState`
 (the scale, counters and flags in device memory, stepped by kernels). Every
 operation but :meth:`State.read`, :meth:`State.snapshot`, :meth:`State.restore`
-and :meth:`State.culprits` queues its work and returns without waiting.
+and :meth:`State.culprits` queues its work and returns without waiting. The two
+backend modules, :mod:`cupy_amp.numpy_backend` and :mod:`cupy_amp.cupy_backend`,
+follow :class:`Backend` (mypy checks each module against it).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from cupy_amp.distributed import OverflowVote
@@ -17,7 +20,7 @@ from cupy_amp.rule import ScalerConfig, ScalerState
 if TYPE_CHECKING:
     from cupy_amp.gradients import Call
 
-__all__ = ["Snapshot", "State", "Verdict"]
+__all__ = ["Backend", "Snapshot", "State", "Verdict"]
 
 
 class Verdict(NamedTuple):
@@ -61,3 +64,20 @@ class State(Protocol):
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]: ...
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None: ...
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]: ...
+
+
+class Backend(Protocol):
+    """What an array backend module offers: validation, placement and the state of a scaler for its arrays."""
+
+    NAME: str  # "numpy" or "cupy", for messages
+    LAYOUT_FIXED: bool  # an array's strides, dtype and memory cannot change behind the same object
+
+    def as_array(self, obj: Any) -> Any | None: ...
+    def write_problem(self, array: Any, source: Any) -> str | None: ...
+    def location(self, array: Any) -> tuple[int, int]: ...
+    def prepare(self, arrays: Sequence[Any]) -> Any: ...
+    def capturing(self) -> bool: ...
+    def refuse_capture(self, what: str) -> None: ...
+    def new_state(
+        self, device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+    ) -> State: ...

@@ -21,7 +21,6 @@ met (:class:`StateSet`), and never imports CuPy.
 from __future__ import annotations
 
 import threading
-import types
 from collections.abc import Callable, Hashable
 from typing import Any, NamedTuple, TypeVar
 
@@ -32,7 +31,7 @@ from cupy_amp.distributed import OverflowVote
 from cupy_amp.errors import ConfigError, GradientTypeError, GradientValueError, ScalerProtocolError
 from cupy_amp.gradients import Call, StepClaims
 from cupy_amp.rule import ScalerConfig, ScalerState
-from cupy_amp.state import Snapshot, State
+from cupy_amp.state import Backend, Snapshot, State
 
 __all__ = [
     "IDLE",
@@ -40,7 +39,7 @@ __all__ = [
     "SCALED",
     "UNSCALED",
     "Ballot",
-    "Record",
+    "CallRecord",
     "StateSet",
     "Step",
     "check_call",
@@ -61,7 +60,7 @@ _STEP = (
 )
 
 
-class Record(NamedTuple):
+class CallRecord(NamedTuple):
     """One gradient call of a step, kept to answer ``nonfinite_gradients`` (it holds no array)."""
 
     labels: tuple[Hashable, ...]  # empty for a call that failed before its arrays were known
@@ -121,7 +120,7 @@ class Step:
         self.phase = IDLE
         self.number = 0  # counts the steps opened, so that an update() retried after an interrupt knows its step
         self.claims = StepClaims()
-        self.records: tuple[Record, ...] = ()  # replaced, never changed in place: readers need no lock
+        self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
         self._lock = threading.Lock()
         self._owner: int | None = None
 
@@ -263,7 +262,7 @@ class Step:
                 self.claims = claims
             culprits = run(call, state, ballot)
             if states.counts:  # the call's commit: an interrupt from here on finds its record complete
-                self.records = (*self.records, Record(call.labels, call.plan, state, culprits))
+                self.records = (*self.records, CallRecord(call.labels, call.plan, state, culprits))
         except BaseException as error:
             try:
                 self._fail(phase, states, call, state, culprits)
@@ -300,7 +299,9 @@ class Step:
             self.phase = phase
             try:
                 if states.counts:
-                    record = Record(call.labels, call.plan, state, culprits) if call else Record((), None, None, ())
+                    record = (
+                        CallRecord(call.labels, call.plan, state, culprits) if call else CallRecord((), None, None, ())
+                    )
                     self.records = (*self.records, record)
                 states.mark_overflow(state)
             finally:
@@ -316,7 +317,7 @@ class Step:
         empty = StepClaims()
         self.claims, self.phase = empty, IDLE
 
-    def culprit_labels(self, read: Callable[[Record], tuple[int, ...]]) -> list[Hashable]:
+    def culprit_labels(self, read: Callable[[CallRecord], tuple[int, ...]]) -> list[Hashable]:
         """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
         return [record.labels[position] for record in self.records for position in read(record)]
 
@@ -351,7 +352,7 @@ class StateSet:
         self.one_device = one_device
         self.default: State = numpy_backend.HostState(config, state, False, False, 0)
         self.states: dict[int, State] = {}
-        self._backend: types.ModuleType | None = None
+        self._backend: Backend | None = None
         # What the host knows of the open (or last) step: (any overflow, this rank's own), and the same verdict
         # as a 0-d bool array for the synchronous face's statistics. That face keeps both from its reads and
         # from failures; the sync-free face reads its state instead.
@@ -362,9 +363,7 @@ class StateSet:
         """Every state, the default one first when no array has placed one yet."""
         return list(self.states.values()) if self.states else [self.default]
 
-    def place(
-        self, backend: types.ModuleType | None, device: int, current: Callable[[], Snapshot], step_open: bool
-    ) -> State:
+    def place(self, backend: Backend | None, device: int, current: Callable[[], Snapshot], step_open: bool) -> State:
         """Return the state for arrays of ``backend`` on ``device``, placing one there from ``current()`` if none is.
 
         ``backend`` None (a call without arrays) takes the first state.
@@ -400,7 +399,7 @@ class StateSet:
             state.restore(self.config, *current())
         else:
             backend.refuse_capture("the scaler's state is first placed on the GPU")
-            state = backend.DeviceState(device, self.config, *current())
+            state = backend.new_state(device, self.config, *current())
             if step_open:
                 state.begin_step()
         self._backend, self.states = backend, {**self.states, device: state}  # one commit

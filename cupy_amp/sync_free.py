@@ -17,7 +17,7 @@ from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
 from cupy_amp.scaler import GradScalerStats
 from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
-from cupy_amp.step import INSPECTED, UNSCALED, Ballot, Record, StateSet, Step, check_call, unscale_call, where
+from cupy_amp.step import INSPECTED, UNSCALED, Ballot, CallRecord, StateSet, Step, check_call, unscale_call, where
 
 __all__ = ["SyncFreeGradScaler"]
 
@@ -261,7 +261,7 @@ class SyncFreeGradScaler(Face):
         """Return which gradients held inf/nan in the current (or last) step, as GradScaler does (synchronizes)."""
         epoch = self._snapshot()[3]
 
-        def read(record: Record) -> tuple[int, ...]:
+        def read(record: CallRecord) -> tuple[int, ...]:
             if record.culprits is not None or record.state is None:
                 return record.culprits or ()
             return record.state.culprits(record.plan, epoch)

@@ -1,4 +1,4 @@
-"""The fused optimizers' work on the GPU: their device tables, and the launches of one step.
+"""The fused optimizers' work on the GPU: the launches of one step (their tables: :mod:`cupy_amp.device_tables`).
 
 A step is a one-thread begin kernel (it reads the statistics record of the
 scaler's ``check()`` and opens the step on the optimizer's record), then one
@@ -9,12 +9,12 @@ only for CuPy parameters.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import cupy
-import numpy as np
 
-from cupy_amp.kernel_interface import PARAM_CHUNK, PARAM_DTYPE_NAMES
+from cupy_amp.device_tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
+from cupy_amp.kernel_interface import PARAM_DTYPE_NAMES
 from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
 from cupy_amp.statistics import GradientStats
 
@@ -32,52 +32,6 @@ _OTHER_STREAM = (
     "The optimizer step is captured on another stream than the check() that wrote its statistics, or than the "
     "optimizer's previous step: capture the whole step on one stream, and synchronize before capturing."
 )
-
-PARAM_CHUNK_ELEMENTS = 16384  # one block's share of a parameter
-
-
-class ParamTable(NamedTuple):
-    """One dtype group's ParamChunk records, in device memory: one launch."""
-
-    entry: str
-    memory: cupy.ndarray
-    chunk_count: int
-
-
-def param_tables(rule: str, groups: dict[str, list[tuple[int, ...]]], counts: dict[str, list[int]]) -> list[ParamTable]:
-    """Build the device tables of an optimizer step (waits for the copy: tables are built once per layout).
-
-    Args:
-        rule: "adamw" or "sgd".
-        groups: dtype name -> one (grad, param, master, first_moment, second_moment) address tuple per
-            parameter (0 for a buffer it does not have).
-        counts: dtype name -> the parameters' element counts.
-    """
-    refuse_capture("the optimizer's device tables for these gradients are not built yet")
-    tables = []
-    stream = cupy.cuda.get_current_stream()
-    for type_name, addresses in groups.items():
-        sizes = np.asarray(counts[type_name], dtype=np.int64)
-        itemsize = 4 if type_name == "float32" else 2
-        per = -(-sizes // PARAM_CHUNK_ELEMENTS)
-        tensor = np.repeat(np.arange(len(sizes)), per)
-        first = (
-            np.arange(int(per.sum()), dtype=np.int64) - np.repeat(np.cumsum(per) - per, per)
-        ) * PARAM_CHUNK_ELEMENTS
-        bases = np.asarray(addresses, dtype=np.int64).reshape(len(sizes), 5)[tensor]
-        records = np.zeros(len(first), dtype=PARAM_CHUNK)
-        for column, (name, size) in enumerate(
-            (("grad", itemsize), ("param", itemsize), ("master", 4), ("first_moment", 4), ("second_moment", 4))
-        ):
-            records[name] = np.where(bases[:, column] != 0, bases[:, column] + first * size, 0)
-        records["count"] = np.minimum(sizes[tensor] - first, PARAM_CHUNK_ELEMENTS)
-        records = records[records["count"] > 0]
-        memory = cupy.empty(max(records.nbytes, 1), dtype=np.uint8)
-        if records.size:
-            memory[: records.nbytes].set(records.view(np.uint8), stream=stream)
-            tables.append(ParamTable(f"cupy_amp_{rule}_{type_name}", memory, int(records.size)))
-    stream.synchronize()
-    return tables
 
 
 def load_optimizer(rule: str, device: int) -> None:

@@ -448,10 +448,10 @@ class _FusedOptimizer:
         """Return the record and buffers of ``state`` if this optimizer's own steps could have produced them.
 
         Raises:
-            CheckpointFieldError: The first field that could not be (see :func:`state_file.checked`), or
+            CheckpointFieldError: The first field that could not be (see :func:`state_file.validated`), or
                 one that does not fit this optimizer (its kind, hyperparameters and parameters).
         """
-        layout, record, buffers = state_file.checked(state)
+        layout, record, buffers = state_file.validated(state)
         if layout is not self._layout:
             expected = f"{self._layout.kind!r} (the state of a {type(self).__name__})"
             raise state_file.invalid("kind", expected, repr(state["kind"]))

@@ -7,7 +7,7 @@ A state (what ``state_dict()`` returns and ``save()`` writes) is a map::
 
 with one entry per parameter in each buffer list: float32 bytes, or None where the
 parameter has no such buffer. A file is the state packed with msgpack, then the
-CRC-32 of the packed bytes (4 bytes, big-endian). :func:`checked` refuses every
+CRC-32 of the packed bytes (4 bytes, big-endian). :func:`validated` refuses every
 state no sequence of steps can produce, by field; whether a state fits a given
 optimizer's parameters is the optimizer's own check.
 """
@@ -26,7 +26,7 @@ from cupy_amp._fileio import read_regular_file, write_file_atomic
 from cupy_amp.errors import CheckpointCorruptError, CheckpointFieldError
 from cupy_amp.kernel_interface import ADAMW_STATE, SGD_STATE
 
-__all__ = ["ADAMW", "LAYOUTS", "SGD", "STATE_FORMAT", "STATE_VERSION", "Layout", "checked", "read", "write"]
+__all__ = ["ADAMW", "LAYOUTS", "SGD", "STATE_FORMAT", "STATE_VERSION", "Layout", "read", "validated", "write"]
 
 STATE_FORMAT = "cupy-amp.optimizer"
 STATE_VERSION = 1
@@ -69,7 +69,7 @@ def write(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
 
 
 def read(path: str | os.PathLike[str], limit: int) -> Any:
-    """Return the unpacked state of a file of at most ``limit`` bytes (not yet :func:`checked`).
+    """Return the unpacked state of a file of at most ``limit`` bytes (not yet :func:`validated`).
 
     Raises:
         CheckpointCorruptError: Not a regular file, larger than ``limit``, or not intact.
@@ -84,7 +84,7 @@ def read(path: str | os.PathLike[str], limit: int) -> Any:
         raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an optimizer state ({error}).") from None
 
 
-def checked(state: Any) -> tuple[Layout, np.ndarray, dict[str, list[bytes | None]]]:
+def validated(state: Any) -> tuple[Layout, np.ndarray, dict[str, list[bytes | None]]]:
     """Return the layout, the record and the buffers of ``state`` if some sequence of steps can produce it.
 
     Raises:

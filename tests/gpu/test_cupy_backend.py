@@ -21,6 +21,7 @@ from cupy_amp import (  # noqa: E402
     GradientValueError,
     GradScaler,
     cupy_backend,
+    device_tables,
 )
 from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
 from cupy_amp.rule import ScalerState  # noqa: E402
@@ -301,10 +302,10 @@ def test_same_list_twice_reuses_the_cached_table_and_stays_correct() -> None:
     scaler = GradScaler(init_scale=2.0)
     open_step(scaler, cupy).unscale_and_check(grads)
     scaler.update()
-    tables = list(cupy_backend._tables.values())
+    tables = list(device_tables._cache.values())
     open_step(scaler, cupy).unscale_and_check(grads)
     scaler.update()
-    assert list(cupy_backend._tables.values()) == tables
+    assert list(device_tables._cache.values()) == tables
     assert float(grads[0][0]) == 0.5 and float(grads[1][0]) == 1.0
     # A changed list (a new array at a new address) gets a correct result too.
     grads[1] = cupy.full(10, 8.0, cupy.float32)

@@ -398,7 +398,7 @@ def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkey
         raise RuntimeError("launch failed")
 
     open_step(scaler, cupy)
-    monkeypatch.setattr(cupy_backend.DeviceStats, "finish", broken_finish)
+    monkeypatch.setattr(cupy_backend.DeviceStatsRecord, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
     assert others.calls == 1  # joined once: a second all-reduce would pair with the other ranks' next one
