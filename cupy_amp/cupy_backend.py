@@ -31,7 +31,7 @@ from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, STA
 from cupy_amp.kernel_launch import MAX_GRID, _Launcher, _on_device, launcher, order_after, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
-from cupy_amp.statistics import GradientStats
+from cupy_amp.statistics import GradientStats, Numerics
 
 __all__ = [
     "LAYOUT_FIXED",
@@ -168,9 +168,14 @@ class DeviceStatsRecord:
         offset = _STATS_FIELDS[name]
         return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
 
-    def _grids(self, plan: tuple[GradientGroup, ...] | None) -> list[tuple[_Launcher, int]]:
-        """Return each group's statistics launch and its blocks (groups without elements have none)."""
-        launches = [(group.table.stats, group.table.chunk_count) for group in plan or ()]
+    def _grids(self, plan: tuple[GradientGroup, ...] | None, report: bool = False) -> list[tuple[_Launcher, int]]:
+        """Return each group's statistics launch and its blocks (groups without elements have none).
+
+        The report's launches have the same grids, so the sums, their order and their bits are the same.
+        """
+        launches = [
+            (group.table.report_stats if report else group.table.stats, group.table.chunk_count) for group in plan or ()
+        ]
         return [(launch, min(chunks, self._grid)) for launch, chunks in launches if launch is not None]
 
     def read(self, stream: Any) -> np.void:
@@ -187,18 +192,25 @@ class DeviceStatsRecord:
             with _on_device(self.device):
                 self._partials = cupy.zeros(blocks, dtype=np.float64)
 
-    def gather(self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool) -> None:
+    def gather(
+        self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool,
+        report: bool = False,
+    ) -> None:  # fmt: skip
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
         The kernels read the epoch and the scale from ``state`` (a State's
         address) and set its flags on inf/nan. With ``voting``, only this rank's
         sums are taken: :attr:`values` is then to be all-reduced, and
-        :meth:`finish` called.
+        :meth:`finish` called. With ``report``, the same read also fills each
+        table's numerics report (zeroed first, on the stream).
         """
         self.reserve(plan)
         self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
+        for group in plan if report else ():
+            table = group.table
+            cupy.cuda.runtime.memsetAsync(table.report.data.ptr, 0, table.report.nbytes, stream.ptr)
         partials, written = int(self._partials.data.ptr), 0
-        for launch, grid in self._grids(plan):  # each launch's sums go right after the previous launch's
+        for launch, grid in self._grids(plan, report):  # each launch's sums go right after the previous launch's
             launch(grid, stream.ptr, partials=partials + 8 * written, state=state)
             written += grid
         self._finish(
@@ -361,14 +373,35 @@ class DeviceState:
         """Get everything a captured step with ``call``'s arrays needs (the statistics buffer)."""
         self.stats.reserve(call.plan)
 
-    def check(self, call: Any, max_norm: float, voting: bool) -> None:
+    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False) -> None:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
 
         With ``voting``, only this rank's sums are taken (:meth:`vote_sums`, then
-        :meth:`finish_check`). Returns None: the culprits are read later, by :meth:`culprits`.
+        :meth:`finish_check`); with ``report``, the same read fills the numerics
+        report (:meth:`numerics`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
         with _on_device(self.device):
-            self.stats.gather(call.plan, self.follow(), self.address, max_norm, voting)
+            self.stats.gather(call.plan, self.follow(), self.address, max_norm, voting, report)
+
+    def numerics(self, plan: Any) -> list[Numerics]:
+        """Return the numerics report that the last ``check(report=True)`` over ``plan`` filled (synchronizes)."""
+        rows = []
+        with _on_device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
+            self._last_stream = None
+            for group in plan or ():
+                table = group.table
+                counts = table.report.get().reshape(-1, 3)
+                unsigned = np.dtype(f"<u{table.dtype.itemsize}")
+                amax = counts[:, 0].astype(unsigned).view(table.dtype).astype(np.float64)
+                for index, position in enumerate(group.positions):
+                    entry = counts[index]
+                    rows.append(
+                        Numerics(
+                            position, table.dtype, table.sizes[index], float(amax[index]), int(entry[1]), int(entry[2])
+                        )
+                    )
+        return sorted(rows, key=lambda row: row.position)
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Queue the SUM all-reduce of (overflowed, sum of squares) (never synchronizes).

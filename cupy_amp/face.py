@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from collections.abc import Hashable
+from typing import Any, NamedTuple, TypeVar
 
-from cupy_amp.statistics import GradientStats
+from cupy_amp.errors import ScalerProtocolError
+from cupy_amp.statistics import GradientNumerics, GradientStats
 
-__all__ = ["Face"]
+__all__ = ["Face", "NumericsSource"]
 
 F = TypeVar("F", bound="Face")
 
 
+class NumericsSource(NamedTuple):
+    """Where the numerics report of a step's ``check(report=True)`` is: no arrays, only their tables."""
+
+    number: int  # the step's number (Step.number)
+    labels: tuple[Hashable, ...]
+    plan: Any
+    state: Any  # the State that ran the check
+
+
 class Face:
     """The calls :class:`~cupy_amp.GradScaler` and :class:`~cupy_amp.SyncFreeGradScaler` share word for word."""
+
+    _numerics_source: NumericsSource | None = None  # the last check(report=True), replaced in one assignment
 
     def __init__(self, init_scale: float, *, min_scale: float | None, max_scale: float | None) -> None:
         raise NotImplementedError  # each face has its own; declared for guard()
@@ -28,10 +41,41 @@ class Face:
         """
         return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
-    def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+    def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
         raise NotImplementedError
 
-    def step(self, optimizer: Any, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+    def nonfinite_gradients(self) -> list[Hashable]:
+        raise NotImplementedError
+
+    def gradient_numerics(self) -> list[GradientNumerics]:
+        """Return the numerics report of this step's ``check(gradients, report=True)``, one entry per gradient.
+
+        After ``update()``, the last step's. For each gradient, in the
+        argument's order: its largest finite magnitude, its count of zeros and
+        of subnormals (of the values as given, still scaled), and whether it
+        held inf/nan. Taken in the same read as the norm; reading it
+        synchronizes on the GPU.
+
+        Raises:
+            ScalerProtocolError: This (or the last) step had no ``check(..., report=True)``.
+        """
+        source, number = self._numerics_source, self._step.number  # type: ignore[attr-defined]
+        if source is None or source.number != number:
+            raise ScalerProtocolError(
+                "gradient_numerics() reads the report of this step's check(gradients, report=True) (after update(), "
+                "the last step's); this step's gradients were not checked with report=True."
+            )
+        nonfinite = set(self.nonfinite_gradients())
+        rows = source.state.numerics(source.plan)
+        labels = [source.labels[row.position] for row in rows]
+        return [
+            GradientNumerics(label, row.dtype, row.size, row.amax, row.zeros, row.subnormals, label in nonfinite)
+            for label, row in zip(labels, rows)
+        ]
+
+    def step(
+        self, optimizer: Any, gradients: Any, *, max_norm: float | None = None, report: bool = False
+    ) -> GradientStats:
         """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
 
         ``check(gradients, max_norm=max_norm)`` followed by
@@ -43,10 +87,13 @@ class Face:
         statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
         ``check()`` does.
 
+        With ``report``, the check also takes the numerics report
+        (:meth:`gradient_numerics`).
+
         Raises:
             As ``check()`` and the optimizer's ``step()``; the optimizer is not
             called when the check raises.
         """
-        stats = self.check(gradients, max_norm=max_norm)
+        stats = self.check(gradients, max_norm=max_norm, report=report)
         optimizer.step(gradients, stats)
         return stats

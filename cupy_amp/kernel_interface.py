@@ -112,6 +112,7 @@ STATS_ARGS = np.dtype(
         ("partials", "<u8"),
         ("tensor_found", "<u8"),
         ("state", "<u8"),
+        ("report", "<u8"),
     ],
     align=True,
 )
@@ -204,6 +205,7 @@ ENTRIES = {
     "scale_loss.cu": {f"cupy_amp_scale_loss_{name}": "cupy_amp::ScaleArgs" for name in UNSCALE_DTYPE_NAMES},
     "grad_stats.cu": {
         **{f"cupy_amp_gradient_stats_{name}": "cupy_amp::StatsArgs" for name in STATS_DTYPE_NAMES},
+        **{f"cupy_amp_gradient_report_{name}": "cupy_amp::StatsArgs" for name in STATS_DTYPE_NAMES},
         "cupy_amp_finish_stats": "cupy_amp::FinishArgs",
     },
     "optimizers.cu": {

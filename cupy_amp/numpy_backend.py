@@ -24,7 +24,7 @@ from cupy_amp.errors import CommunicatorError
 from cupy_amp.kernel_interface import STATS
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.state import Verdict
-from cupy_amp.statistics import GradientStats, finish_host
+from cupy_amp.statistics import GradientStats, Numerics, finish_host, host_numerics
 from cupy_amp.statistics import host_sums as sums_of
 
 __all__ = [
@@ -130,6 +130,7 @@ class HostState:
         self.stats = HostStatsRecord(self.finite)
         self._sums = (0.0, 0.0)  # (overflowed ranks, sum of squares) of a check() waiting for its all-reduce
         self._own = 0.0  # this rank's own sum of squares, which the all-reduced one must contain
+        self._numerics: list[Numerics] = []  # the last check(report=True)'s
         self.restore(config, state, overflow, local, epoch)
 
     def read(self) -> Verdict:
@@ -169,11 +170,14 @@ class HostState:
     def prepare(self, call: Any) -> None:
         """Nothing to set aside on the host."""
 
-    def check(self, call: Any, max_norm: float, voting: bool) -> tuple[int, ...]:
+    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False) -> tuple[int, ...]:
         """Read a parsed call's statistics; return the positions of the arrays that held inf/nan.
 
-        With ``voting``, the record is finished by :meth:`vote_sums` and :meth:`finish_check`.
+        With ``voting``, the record is finished by :meth:`vote_sums` and
+        :meth:`finish_check`; with ``report``, the numerics report is taken too (:meth:`numerics`).
         """
+        if report:
+            self._numerics = [host_numerics(position, array) for position, array in enumerate(call.arrays)]
         culprits, total = sums_of(call.arrays)
         if culprits:
             self.mark_overflow()
@@ -185,6 +189,10 @@ class HostState:
 
     def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
         finish_host(self.stats.record, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own)
+
+    def numerics(self, plan: Any) -> list[Numerics]:
+        """Return the numerics report of the last ``check(report=True)``."""
+        return list(self._numerics)
 
     def vote_sums(self, vote: OverflowVote) -> None:
         """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""

@@ -10,20 +10,35 @@ NumPy sums it (within the last bit of float32 of the GPU's norm). The
 optimizers of :mod:`cupy_amp.optim` read the factor ``inv_scale *
 clip_coefficient`` and the skip flag from the record, on the device; its layout
 is :data:`cupy_amp.kernel_interface.STATS`.
+
+``check(gradients, report=True)`` also takes a numerics report in the same read
+(:class:`GradientNumerics` per gradient, from ``scaler.gradient_numerics()``):
+the largest finite magnitude, the count of zeros and of subnormals. On the GPU
+a max and integer sums, in any order the same; :func:`host_numerics` is the
+reference.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
 
-__all__ = ["CLIP_EPS", "GradientStats", "expect_max_norm", "finish_host", "host_sums"]
+__all__ = [
+    "CLIP_EPS",
+    "GradientNumerics",
+    "GradientStats",
+    "Numerics",
+    "expect_max_norm",
+    "finish_host",
+    "host_numerics",
+    "host_sums",
+]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 
@@ -56,6 +71,71 @@ def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:
                 culprits.append(position)
             total += float(np.sum(np.square(values)))
     return tuple(culprits), total
+
+
+class Numerics(NamedTuple):
+    """One gradient's numerics report, by its position in the call (what a state reads back)."""
+
+    position: int
+    dtype: np.dtype[Any]
+    size: int
+    amax: float  # the largest finite magnitude (0.0 when there is none)
+    zeros: int  # elements equal to 0 (either sign)
+    subnormals: int  # elements of magnitude below the dtype's smallest normal number, and not 0
+
+
+def host_numerics(position: int, array: np.ndarray) -> Numerics:
+    """Return ``array``'s numerics report (the reference of the GPU's report pass)."""
+    magnitude = np.abs(np.asarray(array).astype(np.float64)).reshape(-1)
+    finite = magnitude[np.isfinite(magnitude)]
+    tiny = float(_finfo(array.dtype).tiny)
+    return Numerics(
+        position, array.dtype, int(array.size), float(finite.max()) if finite.size else 0.0,
+        int(np.count_nonzero(magnitude == 0.0)), int(np.count_nonzero((magnitude > 0.0) & (magnitude < tiny))),
+    )  # fmt: skip
+
+
+def _finfo(dtype: np.dtype[Any]) -> Any:
+    if dtype.kind == "f":
+        return np.finfo(dtype)
+    import ml_dtypes  # bfloat16: only ml_dtypes arrays get this far
+
+    return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
+
+
+class GradientNumerics(NamedTuple):
+    """What one gradient's values looked like in a step, from ``check(gradients, report=True)``.
+
+    Read the values as given to ``check()``: still multiplied by the step's
+    scale. A rising ``subnormal_fraction`` or ``zero_fraction`` as the scale
+    falls is underflow (precision lost); an ``amax`` near the dtype's largest
+    value (65504 for float16) is the gradient that will overflow first.
+
+    Attributes:
+        label: The gradient's position in the argument, or its key in a mapping.
+        dtype: Its dtype.
+        size: Its element count.
+        amax: The largest finite magnitude (0.0 when there is none).
+        zeros: The count of elements equal to 0.
+        subnormals: The count of nonzero elements below the dtype's smallest normal number.
+        nonfinite: Whether it held inf/nan (as ``nonfinite_gradients()`` names it).
+    """
+
+    label: Hashable
+    dtype: np.dtype[Any]
+    size: int
+    amax: float
+    zeros: int
+    subnormals: int
+    nonfinite: bool
+
+    @property
+    def zero_fraction(self) -> float:
+        return self.zeros / self.size if self.size else 0.0
+
+    @property
+    def subnormal_fraction(self) -> float:
+        return self.subnormals / self.size if self.size else 0.0
 
 
 def finish_host(

@@ -458,14 +458,16 @@ def unscale_call(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | 
     return culprits
 
 
-def check_call(call: Call, state: State, ballot: Ballot, max_norm: float) -> tuple[int, ...] | None:
+def check_call(
+    call: Call, state: State, ballot: Ballot, max_norm: float, report: bool = False
+) -> tuple[int, ...] | None:
     """Queue the statistics pass of a call, then (with a communicator) the all-reduce of its sums and the finish.
 
     A call without arrays (a rank without gradients) runs the pass too, over nothing: its record, and the
     pair a communicator sums, then hold this step's own values (no overflow, sum 0), not what the last
     step's all-reduce left there (the other ranks' sums and overflow count).
     """
-    culprits = state.check(call, max_norm, ballot.vote is not None)
+    culprits = state.check(call, max_norm, ballot.vote is not None, report)
     if ballot.vote is not None:
         state.vote_sums(ballot)
         state.finish_check(max_norm)

@@ -11,9 +11,9 @@ import numpy as np
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
 from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
-from cupy_amp.face import Face
+from cupy_amp.face import Face, NumericsSource
 from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, initial_state
+from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state
 from cupy_amp.scaler import GradScalerStats
 from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
@@ -174,7 +174,7 @@ class SyncFreeGradScaler(Face):
 
         return self._step.run(unscale)
 
-    def check(self, gradients: Any, *, max_norm: float | None = None) -> GradientStats:
+    def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
 
         The read-only alternative to ``unscale_and_check`` for the fused
@@ -193,14 +193,20 @@ class SyncFreeGradScaler(Face):
         ``CommunicatorError`` at the next call that reads the state). A call that
         fails anywhere still joins the all-reduce, as an overflowed rank.
 
+        With ``report=True`` the same read also takes a numerics report of
+        this rank's gradients (the largest finite magnitude, the zeros and the
+        subnormals of each), for :meth:`gradient_numerics`; the norm and the
+        verdict are the same bits as without it.
+
         Raises:
-            ConfigError: ``max_norm`` is not None or a positive float32 number, or the
-                communicator cannot sum (no ``reduce_sum``).
+            ConfigError: ``max_norm`` is not None or a positive float32 number, ``report`` is not
+                a bool, or the communicator cannot sum (no ``reduce_sum``).
             ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
                 gradients were already checked or unscaled in this step; nothing is touched.
             As ``unscale_and_check`` for bad gradients.
         """
         limit = expect_max_norm(max_norm)
+        reporting = expect_bool(ConfigError, "report", report)
 
         def parse() -> tuple[Call, State]:
             if self._vote is not None:
@@ -209,11 +215,13 @@ class SyncFreeGradScaler(Face):
             return call, self._place(call.backend, call.devices[0] if call.devices else -1)
 
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
-            return check_call(call, state, ballot, limit)
+            return check_call(call, state, ballot, limit, reporting)
 
         def check() -> GradientStats:
             ballot = Ballot(self._vote)
-            _, state = self._step.gradient_call(INSPECTED, self._states, ballot, parse, run, sums_after_failure)
+            call, state = self._step.gradient_call(INSPECTED, self._states, ballot, parse, run, sums_after_failure)
+            if reporting:
+                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state)
             result: GradientStats = state.stats.result
             return result.for_step(self._step)
 

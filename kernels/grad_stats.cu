@@ -8,13 +8,34 @@
 
 namespace cupy_amp {
 
-template <class Type>
+// One warp's numerics of a chunk into its tensor's report entry: a max and integer sums, whose order does
+// not change the result. Must be reached by every thread of the warp.
+template <class Op>
+__device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
+    u64 amax = op.amax, zeros = op.zeros, subnormals = op.subnormals;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const u64 other = __shfl_down_sync(0xffffffffu, amax, offset);
+        amax = other > amax ? other : amax;
+        zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
+        subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
+    }
+    if (threadIdx.x % 32 == 0) {
+        if (amax != 0) atomicMax(reinterpret_cast<unsigned long long*>(entry), (unsigned long long)amax);
+        if (zeros != 0) atomicAdd(reinterpret_cast<unsigned long long*>(entry + 1), (unsigned long long)zeros);
+        if (subnormals != 0)
+            atomicAdd(reinterpret_cast<unsigned long long*>(entry + 2), (unsigned long long)subnormals);
+    }
+    op.amax = 0;
+    op.zeros = op.subnormals = 0;
+}
+
+template <class Type, bool kReport>
 __device__ void gradient_stats(const StatsArgs& args) {
     const Chunk* chunks = reinterpret_cast<const Chunk*>(args.chunks);
     const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
     volatile State* state = reinterpret_cast<State*>(args.state);
     const u64 epoch = state->epoch;
-    SumSquares<Type> op;
+    SumSquares<Type, kReport> op;
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
@@ -25,6 +46,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
             state->finite = 0;
             state->found = 1;
         }
+        if constexpr (kReport) report_chunk(op, reinterpret_cast<u64*>(args.report) + 3 * chunk.tensor);
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
@@ -79,16 +101,21 @@ __device__ void finish_stats(const FinishArgs& args) {
 
 }  // namespace cupy_amp
 
-#define CUPY_AMP_GRADIENT_STATS(NAME, TYPE)                                              \
+#define CUPY_AMP_GRADIENT_STATS(NAME, TYPE, REPORT)                                      \
     extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks) \
         NAME(const cupy_amp::StatsArgs args) {                                           \
-        cupy_amp::gradient_stats<cupy_amp::TYPE>(args);                                  \
+        cupy_amp::gradient_stats<cupy_amp::TYPE, REPORT>(args);                          \
     }
 
-CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float16, Half)
-CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_bfloat16, Bfloat)
-CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float32, Single)
-CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float64, Double)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float16, Half, false)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_bfloat16, Bfloat, false)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float32, Single, false)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float64, Double, false)
+// The same pass with the numerics report (cupy_amp.statistics.host_numerics is its NumPy reference).
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_float16, Half, true)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_bfloat16, Bfloat, true)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_float32, Single, true)
+CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_float64, Double, true)
 
 extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS) cupy_amp_finish_stats(const cupy_amp::FinishArgs args) {
     cupy_amp::finish_stats(args);
