@@ -32,7 +32,11 @@ def on_the_bits(array: np.ndarray) -> tuple[float, int, int]:
     magnitude = np.ascontiguousarray(array).view(unsigned).reshape(-1) & unsigned(magnitude_mask)
     finite = magnitude[magnitude < infinity]
     amax = float(finite.max().astype(unsigned).reshape(1).view(array.dtype)[0]) if finite.size else 0.0
-    return amax, int(np.count_nonzero(magnitude == 0)), int(np.count_nonzero((magnitude > 0) & (magnitude < min_normal)))
+    return (
+        amax,
+        int(np.count_nonzero(magnitude == 0)),
+        int(np.count_nonzero((magnitude > 0) & (magnitude < min_normal))),
+    )
 
 
 def awkward(rng: np.random.Generator, dtype: Any, size: int) -> np.ndarray:

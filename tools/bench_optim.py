@@ -43,12 +43,47 @@ from cupy_amp.gradients import parse_gradients
 from cupy_amp.optim import SGD, AdamW
 
 COPY_BYTES = 2 * 4 * 2**29  # what copy_timer moves: 2 GiB read, 2 GiB written
+READ_BYTES = 4 * 2**29  # what read_timer reads: 2 GiB
+
+
+def llama_7b_shapes() -> list[tuple[int, ...]]:
+    """LLaMA-7B's parameter shapes: 32 layers of attention (4 x 4096^2), MLP (3 x 4096 x 11008) and norms."""
+    layer = [(4096, 4096)] * 4 + [(11008, 4096), (11008, 4096), (4096, 11008), (4096,), (4096,)]
+    return [(32000, 4096), *layer * 32, (4096,), (32000, 4096)]
+
+
 STATS_WORKLOADS = {
     "gpt2-small-fp16": (gpt2_shapes(12, 768), "float16"),
     "gpt2-small-fp32": (gpt2_shapes(12, 768), "float32"),
+    "gpt2-xl-fp16": (gpt2_shapes(48, 1600), "float16"),
     "gpt2-xl-fp32": (gpt2_shapes(48, 1600), "float32"),
+    "5000x8192-fp16": ([(8192,)] * 5000, "float16"),
     "5000x8192-fp32": ([(8192,)] * 5000, "float32"),
+    "llama-7b-fp16": (llama_7b_shapes(), "float16"),
 }
+_READ_SOURCE = r"""
+extern "C" __global__ void read_floor(const uint4* data, long long vectors, unsigned int* sink) {
+    unsigned int acc = 0;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < vectors; i += stride) {
+        const uint4 v = __ldcs(data + i);
+        acc ^= v.x ^ v.y ^ v.z ^ v.w;
+    }
+    if (acc == 0x12345678u) sink[0] = acc;  // never true for this data: keeps the loads, writes nothing
+}
+"""
+
+
+def read_timer() -> Callable[[int], float]:
+    """Return a timer of a streaming read-only kernel over 2 GiB: the read floor."""
+    data = cupy.random.standard_normal(READ_BYTES // 4, dtype=cupy.float32)
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+    kernel = cupy.RawKernel(_READ_SOURCE, "read_floor")
+    blocks = 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]
+    vectors = np.int64(READ_BYTES // 16)
+    return cupy_event_timer(lambda _: kernel((blocks,), (512,), (data, vectors, sink)))
+
+
 OPTIMIZER_WORKLOADS = {"gpt2-small": gpt2_shapes(12, 768), "gpt2-xl": gpt2_shapes(48, 1600)}
 # Bytes per parameter: float16 gradient read; float32 master read and written, float16 parameter written;
 # AdamW: two float32 moments read and written; SGD: one momentum buffer read and written.
@@ -110,7 +145,7 @@ def stats_timer(grads: list[cupy.ndarray]) -> tuple[Callable[[int], float], Call
     return timed, run
 
 
-def stats_kernels_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
+def stats_kernels_timer(grads: list[cupy.ndarray], report: bool = False) -> Callable[[int], float]:
     """Return a timer of the statistics kernels alone (the per-dtype launches and the finishing block).
 
     Reaches into the scaler's device state for its launches: what ``check()``
@@ -125,7 +160,7 @@ def stats_kernels_timer(grads: list[cupy.ndarray]) -> Callable[[int], float]:
     call = parse_gradients(prepared)
 
     def run(i: int) -> None:
-        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), state.address, 1.0, False)
+        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), state.address, 1.0, False, report)
 
     return cupy_event_timer(run, COVER)
 
@@ -206,26 +241,30 @@ def main(argv: list[str] | None = None) -> int:
 
     parts = set(args.part or ("stats", "optimizers", "steps"))
     copy = copy_timer()
+    read = read_timer() if "stats" in parts else None
     for name, (shapes, dtype) in STATS_WORKLOADS.items() if "stats" in parts else ():
         grads = arrays(shapes, dtype, 0)
         timer, run = stats_timer(grads)
-        medians = interleaved_medians(
-            {"copy": copy, "stats": timer, "kernels": stats_kernels_timer(grads)}, args.repeats
-        )
-        bandwidth = COPY_BYTES / medians["copy"]  # bytes per microsecond
-        floor = sum(g.nbytes for g in grads) / bandwidth
+        timers = {"copy": copy, "read": read, "stats": timer, "kernels": stats_kernels_timer(grads)}
+        timers["report"] = stats_kernels_timer(grads, report=True)
+        medians = interleaved_medians(timers, args.repeats)
+        nbytes = sum(g.nbytes for g in grads)
+        floor = nbytes / (COPY_BYTES / medians["copy"])  # at the copy bandwidth, bytes per microsecond
+        read_floor = nbytes / (READ_BYTES / medians["read"])  # at the read bandwidth
         host = host_us(run, args.repeats)
+        us, kernels, report = medians["stats"], medians["kernels"], medians["report"]
         results["stats"][name] = {
-            "us": medians["stats"], "floor_us": floor, "fraction": floor / medians["stats"], "host_us": host,
-            "kernels_us": medians["kernels"], "kernels_fraction": floor / medians["kernels"],
+            "us": us, "floor_us": floor, "fraction": floor / us, "host_us": host, "kernels_us": kernels,
+            "kernels_fraction": floor / kernels, "read_floor_us": read_floor, "read_fraction": read_floor / us,
+            "kernels_read_fraction": read_floor / kernels, "report_kernels_us": report,
+            "report_cost": report / kernels - 1.0,
         }  # fmt: skip
-        del grads
+        del grads, timers
         cupy.get_default_memory_pool().free_all_blocks()
-        us = medians["stats"]
-        kernels = medians["kernels"]
         print(
-            f"stats {name:16s} {us:9.1f} us  floor {floor:9.1f} us  fraction {floor / us:.3f}  "
-            f"kernels alone {kernels:.1f} us ({floor / kernels:.3f})  host {host:.1f} us"
+            f"stats {name:16s} {us:9.1f} us  copy floor {floor:9.1f} ({floor / us:.3f})  read floor {read_floor:9.1f} "
+            f"({read_floor / us:.3f})  kernels alone {kernels:.1f} ({read_floor / kernels:.3f} of read)  "
+            f"with report {report:.1f} ({100 * (report / kernels - 1):+.1f}%)  host {host:.1f} us"
         )
 
     for name, shapes in OPTIMIZER_WORKLOADS.items() if "optimizers" in parts else ():

@@ -1,0 +1,84 @@
+"""The numerics report on the GPU: the same counts as the NumPy path and as the bits, the norm unchanged."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import capture, open_step
+from test_numerics_report import MASKS, awkward, on_the_bits
+
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp import GradientSet, GradScaler, SyncFreeGradScaler  # noqa: E402
+from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
+
+FACES = [GradScaler, SyncFreeGradScaler]
+
+
+def strided(base: Any) -> Any:
+    return base.reshape(30, 20)[::-2, 1::3]
+
+
+def both_gradients(dtype: Any) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """The same gradients on the host and on the device: several chunks, tiny, empty, strided, a NaN."""
+    rng = np.random.default_rng(6)
+    big = 3 * CHUNK_BYTES // np.dtype(dtype).itemsize + 5  # several chunks, a ragged last one
+    host = {name: awkward(rng, dtype, size) for name, size in (("big", big), ("small", 9), ("one", 1))}
+    host["empty"] = np.zeros(0, dtype)
+    host["big"][123] = np.array(np.nan).astype(dtype)
+    device = {name: cupy.asarray(array) for name, array in host.items()}
+    base = awkward(rng, dtype, 600)
+    host["strided"], device["strided"] = strided(base), strided(cupy.asarray(base))
+    return host, device
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("dtype", sorted(MASKS, key=str), ids=str)
+def test_the_gpu_report_equals_numpys_and_the_bits(face: type, dtype: Any) -> None:
+    host, device = both_gradients(dtype)
+    assert all(cupy.asnumpy(device[name]).tobytes() == host[name].tobytes() for name in host)  # the same bits
+    on_gpu, on_cpu = open_step(face(init_scale=4.0), cupy), open_step(face(init_scale=4.0))
+    gpu_stats, cpu_stats = on_gpu.check(device, max_norm=1.0, report=True), on_cpu.check(host, report=True)
+    assert not bool(gpu_stats.finite) and not bool(cpu_stats.finite)
+    gpu, cpu = on_gpu.gradient_numerics(), on_cpu.gradient_numerics()
+    assert gpu == cpu
+    for row in gpu:
+        assert (row.amax, row.zeros, row.subnormals) == on_the_bits(host[row.label]), row.label
+    assert [row.label for row in gpu if row.nonfinite] == ["big"]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_the_report_leaves_the_norm_bits_alone_on_the_gpu(face: type) -> None:
+    rng = np.random.default_rng(7)
+    grads = [cupy.asarray(rng.standard_normal(n).astype(np.float16)) for n in (70000, 300, 5)]
+    plain, reported = open_step(face(init_scale=8.0), cupy), open_step(face(init_scale=8.0), cupy)
+    a, b = plain.check(grads, max_norm=0.1), reported.check(grads, max_norm=0.1, report=True)
+    assert cupy.asnumpy(a.norm).tobytes() == cupy.asnumpy(b.norm).tobytes()
+    assert cupy.asnumpy(a.clip_coefficient).tobytes() == cupy.asnumpy(b.clip_coefficient).tobytes()
+
+
+def test_a_captured_check_with_the_report_reports_each_replay() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        grad = cupy.zeros(1000, cupy.float16)
+        scaler = SyncFreeGradScaler(init_scale=1.0)
+        prepared = scaler.prepare([grad])
+        assert isinstance(prepared, GradientSet)
+        loss = cupy.ones((), cupy.float32)
+
+        def step() -> None:
+            scaler.scale_loss(loss)
+            scaler.check(prepared, report=True)
+            scaler.update()
+
+        step()
+        graph = capture(stream, step)
+        for zeros in (10, 400, 0):
+            grad.fill(1.0)
+            grad[:zeros] = 0.0
+            graph.launch(stream)
+            stream.synchronize()
+            (row,) = scaler.gradient_numerics()  # the report of the captured step's last eager check() ...
+            assert (row.zeros, row.amax) == (zeros, 1.0)  # ... read from the tables the replay refilled
