@@ -392,8 +392,7 @@ class DeviceState:
             for group in plan or ():
                 table = group.table
                 counts = table.report.get().reshape(-1, 3)
-                unsigned = np.dtype(f"<u{table.dtype.itemsize}")
-                amax = counts[:, 0].astype(unsigned).view(table.dtype).astype(np.float64)
+                amax = np.ascontiguousarray(counts[:, 0]).view(np.float64)  # a float64's bits
                 for index, position in enumerate(group.positions):
                     entry = counts[index]
                     rows.append(

@@ -8,25 +8,25 @@
 
 namespace cupy_amp {
 
-// One warp's numerics of a chunk into its tensor's report entry: a max and integer sums, whose order does
-// not change the result. Must be reached by every thread of the warp.
+// One warp's numerics of a chunk into its tensor's report entry: a max (of non-negative doubles, whose bits
+// order as they do) and integer sums, which no order changes. Must be reached by every thread of the warp.
 template <class Op>
 __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
-    u64 amax = op.amax, zeros = op.zeros, subnormals = op.subnormals;
+    double amax = op.amax;
+    u32 zeros = op.zeros, small = op.small;
     for (int offset = 16; offset > 0; offset /= 2) {
-        const u64 other = __shfl_down_sync(0xffffffffu, amax, offset);
-        amax = other > amax ? other : amax;
+        amax = fmax(amax, __shfl_down_sync(0xffffffffu, amax, offset));
         zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
-        subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
+        small += __shfl_down_sync(0xffffffffu, small, offset);
     }
     if (threadIdx.x % 32 == 0) {
-        if (amax != 0) atomicMax(reinterpret_cast<unsigned long long*>(entry), (unsigned long long)amax);
-        if (zeros != 0) atomicAdd(reinterpret_cast<unsigned long long*>(entry + 1), (unsigned long long)zeros);
-        if (subnormals != 0)
-            atomicAdd(reinterpret_cast<unsigned long long*>(entry + 2), (unsigned long long)subnormals);
+        unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
+        if (amax != 0.0) atomicMax(counts, (unsigned long long)__double_as_longlong(amax));
+        if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
+        if (small != zeros) atomicAdd(counts + 2, (unsigned long long)(small - zeros));
     }
-    op.amax = 0;
-    op.zeros = op.subnormals = 0;
+    op.amax = 0.0;
+    op.zeros = op.small = 0;
 }
 
 template <class Type, bool kReport>
