@@ -21,7 +21,7 @@ from cupy_amp.errors import (
 from cupy_amp.gradients import GradientSet
 from cupy_amp.rule import ScalerConfig
 from cupy_amp.scaler import GradScaler, GradScalerStats
-from cupy_amp.statistics import GradientStats
+from cupy_amp.statistics import GradientNumerics, GradientStats
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 try:
@@ -42,6 +42,7 @@ __all__ = [
     "GradScaler",
     "GradScalerCheckpoint",
     "GradScalerStats",
+    "GradientNumerics",
     "GradientSet",
     "GradientStats",
     "GradientTypeError",

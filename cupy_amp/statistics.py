@@ -41,6 +41,8 @@ __all__ = [
 ]
 
 CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def expect_max_norm(max_norm: object) -> float:
@@ -55,7 +57,7 @@ def expect_max_norm(max_norm: object) -> float:
         value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
     except OverflowError:  # an int beyond float64
         value = math.nan
-    if not float(np.finfo(np.float32).tiny) <= value <= float(np.finfo(np.float32).max):
+    if not _FLOAT32_TINY <= value <= _FLOAT32_MAX:
         raise ConfigError(f"Invalid 'max_norm': expected None or a finite number > 0 (float32), got {max_norm!r}.")
     return float(np.float32(value))
 

@@ -109,6 +109,13 @@ struct StatsArgs {
     u64 tensor_found;  // as for UnscaleArgs
     u64 state;         // State*: the epoch is read from it; inf/nan sets its found and clears finite
     u64 report;  // the report entries only: u64[3] per tensor, zeroed before: amax's float64 bits, zeros, subnormals
+    // The last launch of a call also finishes it, in its last block to write its sums (no finishing launch):
+    u64 stats;                    // 0 for the other launches; else the Stats record to finish (FinishArgs::stats)
+    u64 done;                     // with `stats`: an unsigned int, the blocks done so far (the last one zeroes it)
+    u64 all_partials;             // with `stats`: every launch's sums of the call, in order (FinishArgs::partials)
+    long long all_partial_count;  // FinishArgs::partial_count
+    float max_norm;               // FinishArgs::max_norm
+    int stage;                    // with `stats`: kSumAndFinish or kSumOnly
 };
 
 // What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of

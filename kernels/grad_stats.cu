@@ -1,12 +1,61 @@
 // Read-only statistics of the gradients: one launch per dtype reads every element once and records
 // which tensors held inf/nan and each block's sum of squares (in float64: the squares of float16,
-// bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
-// block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
-// optimizers' factor on the device. No float atomics, and a grid fixed per GPU model (the Python side's
-// choice): the same bits on every run. NumPy reference: cupy_amp.statistics.host_sums and finish_host.
+// bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then the
+// last launch's last block to finish sums the blocks' sums in index order and derives the norm, the clip
+// coefficient and the optimizers' factor on the device (after an all-reduce, a one-block launch does).
+// No float atomics, and a grid fixed per GPU model (the Python side's choice): the same bits on every run.
+// NumPy reference: cupy_amp.statistics.host_sums and finish_host.
 #include "common.cuh"
 
 namespace cupy_amp {
+
+// The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
+// the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
+__device__ void finish_stats(const FinishArgs& args) {
+    Stats* stats = reinterpret_cast<Stats*>(args.stats);
+    State* state = reinterpret_cast<State*>(args.state);
+    const int local = *reinterpret_cast<volatile int*>(&state->found);  // written by other blocks, fenced
+    if (args.stage != kFinishOnly) {
+        const double* partials = reinterpret_cast<const double*>(args.partials);
+        double sum = 0.0;
+        for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x)
+            sum = __dadd_rn(sum, __ldcg(partials + i));
+        const double total = block_sum(sum);
+        if (threadIdx.x == 0) {
+            stats->sum_of_squares = total;
+            stats->own_sum_of_squares = total;
+            stats->overflowed = local != 0 ? 1.0 : 0.0;
+        }
+    }
+    if (args.stage == kSumOnly || threadIdx.x != 0) return;
+    // After an all-reduce (cupy_amp.distributed: overflow_count_verdict, check_sum_of_squares): the count of
+    // ranks that overflowed must be a whole number, at least this rank's own flag; without an overflow, the
+    // sum of squares must be at least this rank's share (so not NaN, nor negative), and infinite only if the
+    // share is. A NaN fails every comparison. Anything else is counted, and the step is skipped.
+    const double count = stats->overflowed, total = stats->sum_of_squares, own = stats->own_sum_of_squares;
+    const bool bad_count = !(count >= (double)local && count == floor(count) && count < 1e15);
+    const bool bad_sum = !bad_count && count == 0.0 && !(total >= own && (!isinf(total) || isinf(own)));
+    const bool bad = args.stage == kFinishOnly && (bad_count || bad_sum);
+    const bool agreed = args.stage == kFinishOnly && (bad || count > 0.0);
+    if (args.stage == kFinishOnly) {
+        if (bad) state->bad_votes += 1;
+        state->agreed = agreed ? 1 : 0;
+        if (agreed) state->finite = 0;
+    }
+    const float inv_scale = inverse_of(state->scale);
+    const float norm = narrow(__dmul_rn(__dsqrt_rn(stats->sum_of_squares), widen(inv_scale)));
+    float clip = 1.0f;
+    if (widen(args.max_norm) > 0.0) {
+        const double quotient = __ddiv_rn(widen(args.max_norm), __dadd_rn(widen(norm), 1e-6));
+        if (quotient < 1.0) clip = narrow(quotient);
+    }
+    stats->norm = norm;
+    stats->clip_coefficient = clip;
+    stats->factor = mul_f32(inv_scale, clip);
+    stats->found = local;
+    stats->bad_vote = bad ? 1 : 0;
+    stats->skip = local != 0 || agreed || state->agreed != 0;
+}
 
 // One warp's numerics of a chunk into its tensor's report entry: a max (of non-negative doubles, whose bits
 // order as they do) and integer sums, which no order changes. Must be reached by every thread of the warp.
@@ -50,53 +99,20 @@ __device__ void gradient_stats(const StatsArgs& args) {
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
-}
-
-// The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
-// the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
-__device__ void finish_stats(const FinishArgs& args) {
-    Stats* stats = reinterpret_cast<Stats*>(args.stats);
-    State* state = reinterpret_cast<State*>(args.state);
-    const int local = state->found;
-    if (args.stage != kFinishOnly) {
-        const double* partials = reinterpret_cast<const double*>(args.partials);
-        double sum = 0.0;
-        for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
-        const double total = block_sum(sum);
-        if (threadIdx.x == 0) {
-            stats->sum_of_squares = total;
-            stats->own_sum_of_squares = total;
-            stats->overflowed = local != 0 ? 1.0 : 0.0;
-        }
-    }
-    if (args.stage == kSumOnly || threadIdx.x != 0) return;
-    // After an all-reduce (cupy_amp.distributed: overflow_count_verdict, check_sum_of_squares): the count of
-    // ranks that overflowed must be a whole number, at least this rank's own flag; without an overflow, the
-    // sum of squares must be at least this rank's share (so not NaN, nor negative), and infinite only if the
-    // share is. A NaN fails every comparison. Anything else is counted, and the step is skipped.
-    const double count = stats->overflowed, total = stats->sum_of_squares, own = stats->own_sum_of_squares;
-    const bool bad_count = !(count >= (double)local && count == floor(count) && count < 1e15);
-    const bool bad_sum = !bad_count && count == 0.0 && !(total >= own && (!isinf(total) || isinf(own)));
-    const bool bad = args.stage == kFinishOnly && (bad_count || bad_sum);
-    const bool agreed = args.stage == kFinishOnly && (bad || count > 0.0);
-    if (args.stage == kFinishOnly) {
-        if (bad) state->bad_votes += 1;
-        state->agreed = agreed ? 1 : 0;
-        if (agreed) state->finite = 0;
-    }
-    const float inv_scale = inverse_of(state->scale);
-    const float norm = narrow(__dmul_rn(__dsqrt_rn(stats->sum_of_squares), widen(inv_scale)));
-    float clip = 1.0f;
-    if (widen(args.max_norm) > 0.0) {
-        const double quotient = __ddiv_rn(widen(args.max_norm), __dadd_rn(widen(norm), 1e-6));
-        if (quotient < 1.0) clip = narrow(quotient);
-    }
-    stats->norm = norm;
-    stats->clip_coefficient = clip;
-    stats->factor = mul_f32(inv_scale, clip);
-    stats->found = local;
-    stats->bad_vote = bad ? 1 : 0;
-    stats->skip = local != 0 || agreed || state->agreed != 0;
+    if (args.stats == 0) return;
+    // The block that writes the last sum finishes the call: earlier launches' sums are complete (stream order),
+    // and this launch's are visible after each block's fence. It sums them in index order, as a finishing
+    // launch would: the same bits.
+    __shared__ bool last;
+    __threadfence();
+    if (threadIdx.x == 0) last = atomicAdd(reinterpret_cast<unsigned int*>(args.done), 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    const FinishArgs finish = {args.stats, args.all_partials, args.all_partial_count,
+                               args.state, args.max_norm,     args.stage};
+    finish_stats(finish);
+    if (threadIdx.x == 0) *reinterpret_cast<unsigned int*>(args.done) = 0;
 }
 
 }  // namespace cupy_amp

@@ -187,6 +187,31 @@ def test_compare_prints_three_rows_and_a_real_difference() -> None:
     assert "Without loss scaling" in result.out
 
 
+def test_each_backoff_shows_the_steps_numerics_report(uninterrupted: tuple[Path, Result]) -> None:
+    _, result = uninterrupted
+    lines = result.out.splitlines()
+    after_backoffs = [lines[i + 1] for i, line in enumerate(lines) if "backoff: scale" in line]
+    assert after_backoffs
+    pattern = r"^ +numerics: largest \|g\| \S+ in [Wb]\d \(float16's largest is 65504\); most zeros in [Wb]\d: \S+%$"
+    assert all(re.match(pattern, line) for line in after_backoffs), after_backoffs
+
+
+def test_report_prints_a_row_per_gradient(tmp_path: Path) -> None:
+    result = demo("--steps", "30", "--report")
+    assert result.status == 0, result.err
+    rows = [line.split() for line in result.out.splitlines() if re.match(r"^ +[Wb]\d +\d+ elements  largest", line)]
+    assert [row[0] for row in rows] == ["W1", "b1", "W2", "b2", "W3", "b3"]
+    assert "report   per gradient" in result.out
+
+
+def test_report_with_plot_draws_the_zero_fractions(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib", reason='matplotlib is the optional "demo" extra (pip install "cupy-amp[demo]")')
+    target = tmp_path / "report.png"
+    result = demo("--steps", "20", "--report", "--plot", str(target))
+    assert result.status == 0, result.err
+    assert target.stat().st_size > 0
+
+
 def test_plot_writes_a_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason='matplotlib is the optional "demo" extra (pip install "cupy-amp[demo]")')
     target = tmp_path / "demo.png"
@@ -242,6 +267,7 @@ def test_gpu_without_a_gpu_fails_cleanly() -> None:
         (["--batch-size", "100000"], "larger than the 8192 training examples"),
         (["--device", "cpu", "--sync-free"], "--sync-free trains on a GPU"),
         (["--device", "cpu", "--graph", "--sync-free"], "--graph trains on a GPU"),
+        (["--report", "--sync-free"], "--report reads each step's numerics report"),
     ],
 )
 def test_contradictory_flags_are_usage_errors(args: list[str], message: str) -> None:

@@ -53,6 +53,7 @@ from cupy_amp.demo.training import (
 )
 from cupy_amp.errors import CheckpointError, ConfigError
 from cupy_amp.scaler import GradScaler
+from cupy_amp.statistics import GradientNumerics
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 if TYPE_CHECKING:
@@ -109,6 +110,11 @@ def _plan(args: argparse.Namespace) -> _Plan:
     """Check everything that can be checked before training: flags, saved files, the plot's path, the device."""
     if args.compare and args.resume:
         raise DemoUsageError("--compare trains all three runs from step 0; it cannot be combined with --resume")
+    if args.report and (args.sync_free or args.graph):
+        raise DemoUsageError(
+            "--report reads each step's numerics report, which the synchronous step does; a --sync-free or --graph "
+            "step never waits for the device (run without them)"
+        )
     plot_format = _plot_format(args.plot) if args.plot else None
     saved = _load_run(Path(args.resume)) if args.resume else None
     settings, scaler_settings = settings_from_args(
@@ -170,8 +176,9 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
         reporter.line(f"mode     {'CUDA graph replays' if args.graph else 'sync-free eager steps'}")
     else:
         trainer = Trainer(
-            "amp", settings, plan.dataset, plan.device, plan.state, plan.scaler, measure_underflow=args.compare
-        )
+            "amp", settings, plan.dataset, plan.device, plan.state, plan.scaler, measure_underflow=args.compare,
+            report=args.report,
+        )  # fmt: skip
     progress["step"] = plan.state.step
     if plan.resumed_from is not None:
         progress["saved"] = plan.state.step
@@ -210,6 +217,9 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
         f"scaler   final scale {show(stats.scale)}; {stats.backoffs} backoffs, {stats.growths} growths, "
         f"{stats.consecutive_good_steps} clean steps since the last change"
     )
+    reports = trainer.reports if isinstance(trainer, Trainer) else None
+    if reports:
+        _print_report(reports, reporter)
     others: dict[str, History] = {}
     if args.compare:
         others = _compare(
@@ -217,7 +227,7 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
         )
     if args.plot:
         title = f"cupy-amp demo: {plan.dataset.description.split(' (')[0]}, seed {settings.seed}"
-        _save_plot(args.plot, plan.plot_format or "png", plan.state.history, others, title)
+        _save_plot(args.plot, plan.plot_format or "png", plan.state.history, others, title, reports)
         reporter.line(f"plot     {args.plot}")
     if plan.out is not None:
         reporter.line(
@@ -306,6 +316,8 @@ class Reporter:
             parts.append(f"growth: scale {show(before)} -> {show(after)} after {growth_interval} clean steps")
         if parts:
             self.line(f"step {outcome.step:>5}  " + "; ".join(parts))
+        if outcome.numerics:
+            self.line(f"{'':11}  numerics: {_numerics_line(outcome.numerics)}")
 
     def progress(self, outcome: StepOutcome, total: int, label: str = "", every: int | None = None) -> None:
         """Show where the run is: a redrawn bar on a terminal, else a line every ``every`` steps (0: the last only)."""
@@ -425,6 +437,40 @@ def _percent(fraction: float) -> str:
     return "0%" if percent == 0 else f"{percent:.1g}%" if percent < 0.05 else f"{percent:.1f}%"
 
 
+# The numerics report (check(report=True)): what a backoff looked like, and the run's table
+
+
+def _numerics_line(rows: tuple[GradientNumerics, ...]) -> str:
+    """The finite gradient nearest float16's maximum, and the one with the most zeros (underflow)."""
+    finite = [row for row in rows if not row.nonfinite] or list(rows)
+    largest = max(finite, key=lambda row: row.amax)
+    zeros = max(rows, key=lambda row: row.zero_fraction)
+    return (
+        f"largest |g| {largest.amax:.3g} in {largest.label} (float16's largest is 65504); most zeros in "
+        f"{zeros.label}: {_percent(zeros.zero_fraction)}"
+    )
+
+
+def _print_report(reports: list[tuple[int, float, tuple[GradientNumerics, ...]]], reporter: Reporter) -> None:
+    """Per gradient: its largest magnitude over the run and its zero and subnormal fractions, first and last step."""
+    (first, first_scale, first_rows), (last, last_scale, last_rows) = reports[0], reports[-1]
+    largest: dict[object, float] = {}
+    for _, _, rows in reports:
+        for row in rows:
+            if not row.nonfinite:
+                largest[row.label] = max(largest.get(row.label, 0.0), row.amax)
+    reporter.line(
+        f"report   per gradient (scaled, as check() read them): largest finite |g| over the run; zeros and "
+        f"subnormals at step {first} (scale {show(first_scale)}) -> step {last} (scale {show(last_scale)})"
+    )
+    for before, after in zip(first_rows, last_rows):
+        reporter.line(
+            f"         {after.label!s:<4} {after.size:>7} elements  largest {largest.get(after.label, 0.0):9.3g}  "
+            f"zeros {_percent(before.zero_fraction):>6} -> {_percent(after.zero_fraction):>6}  "
+            f"subnormals {_percent(before.subnormal_fraction):>6} -> {_percent(after.subnormal_fraction):>6}"
+        )
+
+
 # --plot (matplotlib is imported only here, only when asked)
 
 
@@ -454,14 +500,21 @@ def _plot_format(path: str) -> str:
     return extension
 
 
-def _save_plot(path: str, image_format: str, history: History, others: dict[str, History], title: str) -> None:
-    """Draw the loss (log axis) and the loss scale (log2 axis) over steps, marking skipped steps."""
+def _save_plot(
+    path: str, image_format: str, history: History, others: dict[str, History], title: str,
+    reports: list[tuple[int, float, tuple[GradientNumerics, ...]]] | None = None,
+) -> None:  # fmt: skip
+    """Draw the loss (log axis) and the loss scale (log2 axis) over steps, marking skipped steps.
+
+    With ``reports`` (``--report``), a third panel draws each gradient's fraction of zeros over steps.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(8, 6), layout="constrained")
+    figure = Figure(figsize=(8, 8.5 if reports else 6), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_axis, scale_axis = figure.subplots(2, 1, sharex=True)
+    axes = figure.subplots(3 if reports else 2, 1, sharex=True)
+    loss_axis, scale_axis = axes[0], axes[1]
     steps = np.arange(1, len(history) + 1)
     skipped = np.asarray(history.skipped, dtype=bool)
     loss_axis.plot(steps, history.loss, lw=1, color="tab:blue", label=MODES["amp"])
@@ -476,9 +529,18 @@ def _save_plot(path: str, image_format: str, history: History, others: dict[str,
         label = f"skipped step (overflow): {int(skipped.sum())}"
         scale_axis.plot(steps[skipped], np.asarray(history.scale)[skipped], "x", color="tab:red", ms=6, label=label)
     scale_axis.set_yscale("log", base=2)
-    scale_axis.set(ylabel="loss scale", xlabel="step")
+    scale_axis.set(ylabel="loss scale", xlabel="" if reports else "step")
     scale_axis.grid(True, alpha=0.3)
     scale_axis.legend(loc="lower right")
+    if reports:
+        zeros_axis = axes[2]
+        report_steps = [step for step, _, _ in reports]
+        for index, row in enumerate(reports[0][2]):
+            fractions = [100 * rows[index].zero_fraction for _, _, rows in reports]
+            zeros_axis.plot(report_steps, fractions, lw=1, label=str(row.label))
+        zeros_axis.set(ylabel="gradient elements = 0 (%)", xlabel="step")
+        zeros_axis.grid(True, alpha=0.3)
+        zeros_axis.legend(loc="upper right", ncol=3, fontsize="small")
     figure.savefig(os.fspath(path), dpi=110, format=image_format)
 
 

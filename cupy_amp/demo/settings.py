@@ -274,6 +274,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '(png, pdf, svg...; needs matplotlib: pip install "cupy-amp[demo]")',
     )
     output.add_argument(
+        "--report",
+        action="store_true",
+        help="print the numerics report of check(report=True) at the end: per gradient, its largest magnitude and "
+        "its fractions of zeros and subnormals, first and last step (with --plot, a panel of the zero fractions)",
+    )
+    output.add_argument(
         "--log-every",
         type=positive_int,
         default=50,

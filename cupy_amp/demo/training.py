@@ -21,6 +21,7 @@ from cupy_amp.demo.model import Dataset, Forward, backward, batch_indices, cross
 from cupy_amp.demo.settings import DemoError, ScalerSettings, Settings
 from cupy_amp.optim import AdamW
 from cupy_amp.scaler import GradScaler
+from cupy_amp.statistics import GradientNumerics
 
 __all__ = [
     "MODES",
@@ -223,6 +224,7 @@ class StepOutcome:
         backoff: (scale before, after) when ``update()`` backed off.
         growth: (scale before, after) when ``update()`` grew the scale.
         skipped_total: Steps skipped so far in the whole run.
+        numerics: The step's numerics report (``scaler.gradient_numerics()``), on a backoff step.
     """
 
     step: int
@@ -234,6 +236,7 @@ class StepOutcome:
     backoff: tuple[float, float] | None = None
     growth: tuple[float, float] | None = None
     skipped_total: int = 0
+    numerics: tuple[GradientNumerics, ...] = ()
 
 
 def make_scaler(mode: str, scaler: ScalerSettings) -> GradScaler | None:
@@ -266,6 +269,7 @@ class Trainer:
         scaler: GradScaler | None,
         *,
         measure_underflow: bool = False,
+        report: bool = False,
     ) -> None:
         self.mode = mode
         self.settings = settings
@@ -273,6 +277,8 @@ class Trainer:
         self.state = state
         self.scaler = scaler
         self.underflow = Underflow() if measure_underflow and mode != "fp32" else None
+        # With `report`: each step's (step, scale, numerics report), for the end-of-run table and the plot.
+        self.reports: list[tuple[int, float, tuple[GradientNumerics, ...]]] | None = [] if report else None
         xp = device.xp
         self._examples = len(dataset.y_train)
         self._x_train, self._y_train = xp.asarray(dataset.x_train), xp.asarray(dataset.y_train)
@@ -319,7 +325,8 @@ class Trainer:
         for name, grad in grads16.items():
             self._master_grads[name][...] = grad  # upcast the scaled fp16 gradients into fp32 master gradients
         # One read of the gradients: inf/nan anywhere, and the norm for clipping (of the unscaled gradients).
-        stats = scaler.check(self._master_grads, max_norm=self._max_norm)
+        # With the numerics report of the same read: each gradient's largest magnitude, zeros and subnormals.
+        stats = scaler.check(self._master_grads, max_norm=self._max_norm, report=True)
         # Unscale, clip and update the fp32 masters in one pass; after an overflow it changes nothing.
         self.state.optimizer.step(self._grad_list, stats)
         finite = bool(stats.finite)
@@ -330,6 +337,10 @@ class Trainer:
         before = scaler.stats()
         scaler.update()  # back off after an overflow, grow after growth_interval clean steps
         after = scaler.stats()
+        backoff = after.backoffs > before.backoffs
+        numerics = tuple(scaler.gradient_numerics()) if backoff or self.reports is not None else ()
+        if self.reports is not None:
+            self.reports.append((self.state.step + 1, scale, numerics))
         return StepOutcome(
             step=self.state.step + 1,
             loss=float(mean_loss),
@@ -337,9 +348,10 @@ class Trainer:
             scale=scale,
             skipped=not finite,
             nonfinite=tuple(str(name) for name in scaler.nonfinite_gradients()),
-            backoff=(before.scale, after.scale) if after.backoffs > before.backoffs else None,
+            backoff=(before.scale, after.scale) if backoff else None,
             growth=(before.scale, after.scale) if after.growths > before.growths else None,
             skipped_total=after.skipped_steps,
+            numerics=numerics if backoff else (),
         )
 
     def _step_fp32(self, x: Any, y: Any) -> StepOutcome:
