@@ -154,7 +154,6 @@ class DeviceStatsRecord:
             self._grid = _stats_grid()
             self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
             self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
-            self._done = cupy.zeros(1, dtype=np.uint32)  # the blocks of the last launch done, back to 0 after
             self._retired: list[cupy.ndarray] = []  # smaller ones it replaced, which captured graphs may still use
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
@@ -210,23 +209,14 @@ class DeviceStatsRecord:
         for group in plan if report else ():
             table = group.table
             cupy.cuda.runtime.memsetAsync(table.report.data.ptr, 0, table.report.nbytes, stream.ptr)
-        launches = self._grids(plan, report)
-        partials, total = int(self._partials.data.ptr), sum(grid for _, grid in launches)
-        stage = _SUM_ONLY if voting else _SUM_AND_FINISH
-        written = 0
-        for index, (launch, grid) in enumerate(launches):  # each launch's sums go right after the previous one's
-            last = index == len(launches) - 1  # its last block to finish finishes the call: no finishing launch
-            launch(
-                grid, stream.ptr, partials=partials + 8 * written, state=state, stats=self.address if last else 0,
-                done=self._done.data.ptr, all_partials=partials, all_partial_count=total,
-                max_norm=np.float32(max_norm), stage=stage,
-            )  # fmt: skip
+        partials, written = int(self._partials.data.ptr), 0
+        for launch, grid in self._grids(plan, report):  # each launch's sums go right after the previous launch's
+            launch(grid, stream.ptr, partials=partials + 8 * written, state=state)
             written += grid
-        if not launches:  # nothing to read (a rank without gradients): the finish alone
-            self._finish(
-                1, stream.ptr, stats=self.address, partials=partials, partial_count=0, state=state,
-                max_norm=np.float32(max_norm), stage=stage,
-            )  # fmt: skip
+        self._finish(
+            1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
+            max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
+        )  # fmt: skip
 
     def finish(self, stream: Any, state: int, max_norm: float) -> None:
         """Queue the finish from the all-reduced :attr:`values` (checked on the device); never waits."""
@@ -402,7 +392,8 @@ class DeviceState:
             for group in plan or ():
                 table = group.table
                 counts = table.report.get().reshape(-1, 3)
-                amax = np.ascontiguousarray(counts[:, 0]).view(np.float64)  # a float64's bits
+                unsigned = np.dtype(f"<u{table.dtype.itemsize}")
+                amax = counts[:, 0].astype(unsigned).view(table.dtype).astype(np.float64)
                 for index, position in enumerate(group.positions):
                     entry = counts[index]
                     rows.append(

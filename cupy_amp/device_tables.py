@@ -138,7 +138,7 @@ class GradientTable(NamedTuple):
     launch: _Launcher | None  # the unscale kernel; None when the group has no elements, or is bfloat16
     stats: _Launcher | None  # the statistics kernel; None when the group has no elements
     report_stats: _Launcher | None  # the same with the numerics report, into `report`
-    report: cupy.ndarray  # uint64 per tensor, 3 each: the largest magnitude (float64 bits), zeros, subnormals
+    report: cupy.ndarray  # uint64 per tensor, 3 each: the largest finite magnitude's bits, zeros, subnormals
     dtype: np.dtype[Any]
     sizes: tuple[int, ...]  # each tensor's element count
 

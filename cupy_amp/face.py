@@ -51,7 +51,7 @@ class Face:
         """Return the numerics report of this step's ``check(gradients, report=True)``, one entry per gradient.
 
         After ``update()``, the last step's. For each gradient, in the
-        argument's order: its largest magnitude, its count of zeros and
+        argument's order: its largest finite magnitude, its count of zeros and
         of subnormals (of the values as given, still scaled), and whether it
         held inf/nan. Taken in the same read as the norm; reading it
         synchronizes on the GPU.

@@ -113,12 +113,6 @@ STATS_ARGS = np.dtype(
         ("tensor_found", "<u8"),
         ("state", "<u8"),
         ("report", "<u8"),
-        ("stats", "<u8"),
-        ("done", "<u8"),
-        ("all_partials", "<u8"),
-        ("all_partial_count", "<i8"),
-        ("max_norm", "<f4"),
-        ("stage", "<i4"),
     ],
     align=True,
 )

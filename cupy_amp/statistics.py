@@ -13,7 +13,7 @@ is :data:`cupy_amp.kernel_interface.STATS`.
 
 ``check(gradients, report=True)`` also takes a numerics report in the same read
 (:class:`GradientNumerics` per gradient, from ``scaler.gradient_numerics()``):
-the largest magnitude, the count of zeros and of subnormals. On the GPU
+the largest finite magnitude, the count of zeros and of subnormals. On the GPU
 a max and integer sums, in any order the same; :func:`host_numerics` is the
 reference.
 """
@@ -81,7 +81,7 @@ class Numerics(NamedTuple):
     position: int
     dtype: np.dtype[Any]
     size: int
-    amax: float  # the largest magnitude, NaN skipped (inf if it held one; 0.0 when there is none)
+    amax: float  # the largest finite magnitude (0.0 when there is none)
     zeros: int  # elements equal to 0 (either sign)
     subnormals: int  # elements of magnitude below the dtype's smallest normal number, and not 0
 
@@ -89,10 +89,10 @@ class Numerics(NamedTuple):
 def host_numerics(position: int, array: np.ndarray) -> Numerics:
     """Return ``array``'s numerics report (the reference of the GPU's report pass)."""
     magnitude = np.abs(np.asarray(array).astype(np.float64)).reshape(-1)
-    numbers = magnitude[~np.isnan(magnitude)]
+    finite = magnitude[np.isfinite(magnitude)]
     tiny = float(_finfo(array.dtype).tiny)
     return Numerics(
-        position, array.dtype, int(array.size), float(numbers.max()) if numbers.size else 0.0,
+        position, array.dtype, int(array.size), float(finite.max()) if finite.size else 0.0,
         int(np.count_nonzero(magnitude == 0.0)), int(np.count_nonzero((magnitude > 0.0) & (magnitude < tiny))),
     )  # fmt: skip
 
@@ -117,7 +117,7 @@ class GradientNumerics(NamedTuple):
         label: The gradient's position in the argument, or its key in a mapping.
         dtype: Its dtype.
         size: Its element count.
-        amax: The largest magnitude, NaN skipped (inf if it held one; 0.0 when there is none).
+        amax: The largest finite magnitude (0.0 when there is none).
         zeros: The count of elements equal to 0.
         subnormals: The count of nonzero elements below the dtype's smallest normal number.
         nonfinite: Whether it held inf/nan (as ``nonfinite_gradients()`` names it).

@@ -194,7 +194,7 @@ class SyncFreeGradScaler(Face):
         fails anywhere still joins the all-reduce, as an overflowed rank.
 
         With ``report=True`` the same read also takes a numerics report of
-        this rank's gradients (the largest magnitude, the zeros and the
+        this rank's gradients (the largest finite magnitude, the zeros and the
         subnormals of each), for :meth:`gradient_numerics`; the norm and the
         verdict are the same bits as without it.
 

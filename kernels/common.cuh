@@ -108,14 +108,7 @@ struct StatsArgs {
     u64 partials;      // double per block: each block's sum of squares
     u64 tensor_found;  // as for UnscaleArgs
     u64 state;         // State*: the epoch is read from it; inf/nan sets its found and clears finite
-    u64 report;  // the report entries only: u64[3] per tensor, zeroed before: amax's float64 bits, zeros, subnormals
-    // The last launch of a call also finishes it, in its last block to write its sums (no finishing launch):
-    u64 stats;                    // 0 for the other launches; else the Stats record to finish (FinishArgs::stats)
-    u64 done;                     // with `stats`: an unsigned int, the blocks done so far (the last one zeroes it)
-    u64 all_partials;             // with `stats`: every launch's sums of the call, in order (FinishArgs::partials)
-    long long all_partial_count;  // FinishArgs::partial_count
-    float max_norm;               // FinishArgs::max_norm
-    int stage;                    // with `stats`: kSumAndFinish or kSumOnly
+    u64 report;        // the report entries only: u64[3] per tensor, zeroed before: amax bits, zeros, subnormals
 };
 
 // What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of
@@ -270,13 +263,14 @@ __device__ __forceinline__ bool halves_nonfinite(uint4 v) {
 }
 
 // The one family of element types. value() is an element in float64 (the statistics' sums); load() and
-// store() are its float32 value and back (the optimizers); kMinNormal is its smallest normal number. Each type also
-// handles a 16-byte vector (uint4) at once: vector_nonfinite tests its lanes on the bits; multiply_finite is the
-// product when neither the lanes nor the factor are inf/nan, so no NaN can come out and the NaN rules above need not be
-// checked.
+// store() are its float32 value and back (the optimizers); the masks on the bits classify a magnitude
+// (below kMinNormal and not 0: subnormal; kInfinity and above: inf/nan). Each type also handles a 16-byte vector
+// (uint4) at once: vector_nonfinite tests its lanes on the bits; multiply_finite is the product when
+// neither the lanes nor the factor are inf/nan, so no NaN can come out and the NaN rules above need not
+// be checked.
 struct Half {
     typedef u16 bits;
-    static constexpr double kMinNormal = 6.103515625e-05;  // 2**-14
+    static constexpr bits kMagnitude = 0x7fffu, kInfinity = 0x7c00u, kMinNormal = 0x0400u;
     static __device__ __forceinline__ double value(bits x) { return widen(f16_to_f32(x)); }
     static __device__ __forceinline__ float load(bits x) { return f16_to_f32(x); }
     static __device__ __forceinline__ bits store(float f) { return f32_to_f16(f); }
@@ -309,7 +303,7 @@ struct Half {
 
 struct Single {
     typedef u32 bits;
-    static constexpr double kMinNormal = 1.1754943508222875e-38;  // 2**-126
+    static constexpr bits kMagnitude = 0x7fffffffu, kInfinity = 0x7f800000u, kMinNormal = 0x00800000u;
     static __device__ __forceinline__ double value(bits x) { return widen(__uint_as_float(x)); }
     static __device__ __forceinline__ float load(bits x) { return __uint_as_float(x); }
     static __device__ __forceinline__ bits store(float f) { return __float_as_uint(f); }
@@ -336,7 +330,8 @@ struct Single {
 
 struct Double {
     typedef u64 bits;
-    static constexpr double kMinNormal = 2.2250738585072014e-308;  // 2**-1022
+    static constexpr bits kMagnitude = 0x7fffffffffffffffull, kInfinity = 0x7ff0000000000000ull,
+                          kMinNormal = 0x0010000000000000ull;
     static __device__ __forceinline__ double value(bits x) { return __longlong_as_double((long long)x); }
     static __device__ __forceinline__ u64 join(u32 low, u32 high) { return (u64)low | ((u64)high << 32); }
     static __device__ __forceinline__ bool vector_nonfinite(uint4 v) {
@@ -365,7 +360,7 @@ struct Double {
 // bfloat16 is only read (statistics, optimizers), never unscaled in place.
 struct Bfloat {
     typedef u16 bits;
-    static constexpr double kMinNormal = 1.1754943508222875e-38;  // 2**-126
+    static constexpr bits kMagnitude = 0x7fffu, kInfinity = 0x7f80u, kMinNormal = 0x0080u;
     static __device__ __forceinline__ double value(bits x) { return widen(bf16_to_f32(x)); }
     static __device__ __forceinline__ float load(bits x) { return bf16_to_f32(x); }
     static __device__ __forceinline__ bits store(float f) { return f32_to_bf16(f); }
@@ -434,31 +429,34 @@ struct Multiply {
 
 // SumSquares: read only, adding each element's square in float64 to this thread's sum, in walk order. With
 // kReport it also takes the numerics of the chunk being walked (read and reset by the caller, per chunk):
-// the largest magnitude (NaN never wins), and the counts of zeros and of magnitudes below the smallest
-// normal number (zeros included). On the float64 value the sum already needs, so -ftz flushes nothing, and
-// on the FP64 pipe, which the sum leaves mostly idle (the integer pipe is the one the walk keeps busy).
+// the largest finite magnitude (in the type's bits, whose order is the magnitudes' order), the count of
+// zeros and of subnormals.
 template <class T, bool kReport = false>
 struct SumSquares {
     typedef T Type;
     typedef typename T::bits bits;
     static constexpr bool kWrites = false;
-    double sum = 0.0, amax = 0.0;
-    u32 zeros = 0, small = 0;
-    __device__ __forceinline__ void add(double d) {
-        sum = fma(d, d, sum);
-        if constexpr (kReport) {
-            amax = fmax(amax, fabs(d));
-            zeros += d == 0.0;
-            small += fabs(d) < T::kMinNormal;
-        }
+    double sum = 0.0;
+    bits amax = 0;
+    u32 zeros = 0, subnormals = 0;
+    __device__ __forceinline__ void note(bits x) {
+        const bits magnitude = x & T::kMagnitude;
+        if (magnitude < T::kInfinity && magnitude > amax) amax = magnitude;
+        zeros += magnitude == 0;
+        subnormals += (bits)(magnitude - 1) < (bits)(T::kMinNormal - 1);  // 0 < magnitude < kMinNormal
     }
     __device__ __forceinline__ bool one(const bits& x) {
-        add(T::value(x));
+        sum = fma(T::value(x), T::value(x), sum);
+        if constexpr (kReport) note(x);
         return T::nonfinite(x);
     }
     __device__ __forceinline__ bool vector(const Vector<T>& v) {
 #pragma unroll
-        for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) add(T::value(v.lanes[lane]));
+        for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) {
+            const double d = T::value(v.lanes[lane]);
+            sum = fma(d, d, sum);
+            if constexpr (kReport) note(v.lanes[lane]);
+        }
         return T::vector_nonfinite(v.raw);
     }
 };

@@ -1,25 +1,67 @@
 // Read-only statistics of the gradients: one launch per dtype reads every element once and records
 // which tensors held inf/nan and each block's sum of squares (in float64: the squares of float16,
-// bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then the
-// last launch's last block to finish sums the blocks' sums in index order and derives the norm, the clip
-// coefficient and the optimizers' factor on the device (after an all-reduce, a one-block launch does).
-// No float atomics, and a grid fixed per GPU model (the Python side's choice): the same bits on every run.
-// NumPy reference: cupy_amp.statistics.host_sums and finish_host.
+// bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
+// block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
+// optimizers' factor on the device. No float atomics, and a grid fixed per GPU model (the Python side's
+// choice): the same bits on every run. NumPy reference: cupy_amp.statistics.host_sums and finish_host.
 #include "common.cuh"
 
 namespace cupy_amp {
+
+// One warp's numerics of a chunk into its tensor's report entry: a max and integer sums, whose order does
+// not change the result. Must be reached by every thread of the warp.
+template <class Op>
+__device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
+    u64 amax = op.amax, zeros = op.zeros, subnormals = op.subnormals;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const u64 other = __shfl_down_sync(0xffffffffu, amax, offset);
+        amax = other > amax ? other : amax;
+        zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
+        subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
+    }
+    if (threadIdx.x % 32 == 0) {
+        if (amax != 0) atomicMax(reinterpret_cast<unsigned long long*>(entry), (unsigned long long)amax);
+        if (zeros != 0) atomicAdd(reinterpret_cast<unsigned long long*>(entry + 1), (unsigned long long)zeros);
+        if (subnormals != 0)
+            atomicAdd(reinterpret_cast<unsigned long long*>(entry + 2), (unsigned long long)subnormals);
+    }
+    op.amax = 0;
+    op.zeros = op.subnormals = 0;
+}
+
+template <class Type, bool kReport>
+__device__ void gradient_stats(const StatsArgs& args) {
+    const Chunk* chunks = reinterpret_cast<const Chunk*>(args.chunks);
+    const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
+    volatile State* state = reinterpret_cast<State*>(args.state);
+    const u64 epoch = state->epoch;
+    SumSquares<Type, kReport> op;
+    for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
+        const Chunk chunk = chunks[c];
+        const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
+        if (walk(chunk.address, layout, chunk.first, chunk.last, op)) {
+            // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
+            // so nothing else waits for the block), and flags are written only on an overflow.
+            reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
+            state->finite = 0;
+            state->found = 1;
+        }
+        if constexpr (kReport) report_chunk(op, reinterpret_cast<u64*>(args.report) + 3 * chunk.tensor);
+    }
+    const double total = block_sum(op.sum);
+    if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
+}
 
 // The step's statistics from the blocks' sums (one block): the norm of the unscaled gradients,
 // the clip coefficient min(1, max_norm / (norm + 1e-6)) and the factor the optimizers apply.
 __device__ void finish_stats(const FinishArgs& args) {
     Stats* stats = reinterpret_cast<Stats*>(args.stats);
     State* state = reinterpret_cast<State*>(args.state);
-    const int local = *reinterpret_cast<volatile int*>(&state->found);  // written by other blocks, fenced
+    const int local = state->found;
     if (args.stage != kFinishOnly) {
         const double* partials = reinterpret_cast<const double*>(args.partials);
         double sum = 0.0;
-        for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x)
-            sum = __dadd_rn(sum, __ldcg(partials + i));
+        for (long long i = threadIdx.x; i < args.partial_count; i += blockDim.x) sum = __dadd_rn(sum, partials[i]);
         const double total = block_sum(sum);
         if (threadIdx.x == 0) {
             stats->sum_of_squares = total;
@@ -55,64 +97,6 @@ __device__ void finish_stats(const FinishArgs& args) {
     stats->found = local;
     stats->bad_vote = bad ? 1 : 0;
     stats->skip = local != 0 || agreed || state->agreed != 0;
-}
-
-// One warp's numerics of a chunk into its tensor's report entry: a max (of non-negative doubles, whose bits
-// order as they do) and integer sums, which no order changes. Must be reached by every thread of the warp.
-template <class Op>
-__device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
-    double amax = op.amax;
-    u32 zeros = op.zeros, small = op.small;
-    for (int offset = 16; offset > 0; offset /= 2) {
-        amax = fmax(amax, __shfl_down_sync(0xffffffffu, amax, offset));
-        zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
-        small += __shfl_down_sync(0xffffffffu, small, offset);
-    }
-    if (threadIdx.x % 32 == 0) {
-        unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
-        if (amax != 0.0) atomicMax(counts, (unsigned long long)__double_as_longlong(amax));
-        if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
-        if (small != zeros) atomicAdd(counts + 2, (unsigned long long)(small - zeros));
-    }
-    op.amax = 0.0;
-    op.zeros = op.small = 0;
-}
-
-template <class Type, bool kReport>
-__device__ void gradient_stats(const StatsArgs& args) {
-    const Chunk* chunks = reinterpret_cast<const Chunk*>(args.chunks);
-    const long long* layouts = reinterpret_cast<const long long*>(args.layouts);
-    volatile State* state = reinterpret_cast<State*>(args.state);
-    const u64 epoch = state->epoch;
-    SumSquares<Type, kReport> op;
-    for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
-        const Chunk chunk = chunks[c];
-        const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
-        if (walk(chunk.address, layout, chunk.first, chunk.last, op)) {
-            // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
-            // so nothing else waits for the block), and flags are written only on an overflow.
-            reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
-            state->finite = 0;
-            state->found = 1;
-        }
-        if constexpr (kReport) report_chunk(op, reinterpret_cast<u64*>(args.report) + 3 * chunk.tensor);
-    }
-    const double total = block_sum(op.sum);
-    if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
-    if (args.stats == 0) return;
-    // The block that writes the last sum finishes the call: earlier launches' sums are complete (stream order),
-    // and this launch's are visible after each block's fence. It sums them in index order, as a finishing
-    // launch would: the same bits.
-    __shared__ bool last;
-    __threadfence();
-    if (threadIdx.x == 0) last = atomicAdd(reinterpret_cast<unsigned int*>(args.done), 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    __threadfence();
-    const FinishArgs finish = {args.stats, args.all_partials, args.all_partial_count,
-                               args.state, args.max_norm,     args.stage};
-    finish_stats(finish);
-    if (threadIdx.x == 0) *reinterpret_cast<unsigned int*>(args.done) = 0;
 }
 
 }  // namespace cupy_amp
