@@ -206,7 +206,7 @@ class DeviceStatsRecord:
         """
         self.reserve(plan)
         self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
-        for group in plan if report else ():
+        for group in (plan or ()) if report else ():  # no plan: a call without arrays
             table = group.table
             cupy.cuda.runtime.memsetAsync(table.report.data.ptr, 0, table.report.nbytes, stream.ptr)
         partials, written = int(self._partials.data.ptr), 0

@@ -20,6 +20,9 @@ class NumericsSource(NamedTuple):
     labels: tuple[Hashable, ...]
     plan: Any
     state: Any  # the State that ran the check
+    # The labels of the gradients that held inf/nan, where the check knew them on the host (GradScaler: its
+    # own records keep no culprits while disabled); None: read them from nonfinite_gradients().
+    nonfinite: tuple[Hashable, ...] | None = None
 
 
 class Face:
@@ -57,21 +60,28 @@ class Face:
         synchronizes on the GPU.
 
         Raises:
-            ScalerProtocolError: This (or the last) step had no ``check(..., report=True)``.
+            ScalerProtocolError: This (or the last) step had no ``check(..., report=True)``, or a
+                checkpoint was loaded since.
         """
-        source, number = self._numerics_source, self._step.number  # type: ignore[attr-defined]
-        if source is None or source.number != number:
-            raise ScalerProtocolError(
-                "gradient_numerics() reads the report of this step's check(gradients, report=True) (after update(), "
-                "the last step's); this step's gradients were not checked with report=True."
-            )
-        nonfinite = set(self.nonfinite_gradients())
-        rows = source.state.numerics(source.plan)
-        labels = [source.labels[row.position] for row in rows]
-        return [
-            GradientNumerics(label, row.dtype, row.size, row.amax, row.zeros, row.subnormals, label in nonfinite)
-            for label, row in zip(labels, rows)
-        ]
+
+        def read() -> list[GradientNumerics]:
+            # Under the scaler's lock: a check() of the next step in another thread cannot replace the
+            # state's report between the test below and the read (rows of one step under another's labels).
+            source, number = self._numerics_source, self._step.number  # type: ignore[attr-defined]
+            if source is None or source.number != number:
+                raise ScalerProtocolError(
+                    "gradient_numerics() reads the report of this step's check(gradients, report=True) (after "
+                    "update(), the last step's); this step's gradients were not checked with report=True."
+                )
+            nonfinite = set(self.nonfinite_gradients() if source.nonfinite is None else source.nonfinite)
+            rows = source.state.numerics(source.plan)
+            labels = [source.labels[row.position] for row in rows]
+            return [
+                GradientNumerics(label, row.dtype, row.size, row.amax, row.zeros, row.subnormals, label in nonfinite)
+                for label, row in zip(labels, rows)
+            ]
+
+        return self._step.run(read)  # type: ignore[attr-defined,no-any-return]
 
     def step(
         self, optimizer: Any, gradients: Any, *, max_norm: float | None = None, report: bool = False

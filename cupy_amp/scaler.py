@@ -334,13 +334,18 @@ class GradScaler(Face):
                 )
             return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
 
+        found: tuple[int, ...] = ()
+
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
-            return self._read(lane, state, call, check_call(call, state, ballot, limit, reporting))
+            nonlocal found
+            found = self._read(lane, state, call, check_call(call, state, ballot, limit, reporting))
+            return found
 
         def check() -> GradientStats:
             call, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
-            if reporting:
-                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state)
+            if reporting:  # with this call's culprits: a disabled scaler's records keep none
+                nonfinite = tuple(call.labels[position] for position in found)
+                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state, nonfinite)
             result: GradientStats = state.stats.result
             return result.for_step(self._step, lane.finite)  # the verdict as the host read it
 
@@ -481,7 +486,7 @@ class GradScaler(Face):
             with self._states_follow_the_mirror(self._scaling):
                 overflow, local = checkpoint.found_overflow, checkpoint.found_overflow_local
                 self._scaling.restore(mirror.config, mirror.state, overflow, local)
-                self._mirror, self._step.records = mirror, ()
+                self._mirror, self._step.records, self._numerics_source = mirror, (), None
 
         self._step.run(load)
 

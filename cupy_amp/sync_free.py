@@ -325,6 +325,7 @@ class SyncFreeGradScaler(Face):
                 self._states.restore(config, state, overflow, local)
                 raise
             self._bad_votes_reported, self._step.records = 0, ()  # restore() cleared the state's count
+            self._numerics_source = None  # the loaded state's last step is not the one reported
 
         self._step.run(load)
 

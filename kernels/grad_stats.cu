@@ -70,7 +70,7 @@ __device__ void finish_stats(const FinishArgs& args) {
         }
     }
     if (args.stage == kSumOnly || threadIdx.x != 0) return;
-    // After an all-reduce (cupy_amp.distributed: overflow_count_verdict, check_sum_of_squares): the count of
+    // After an all-reduce (cupy_amp.distributed: overflow_count_verdict, refuse_impossible_sum): the count of
     // ranks that overflowed must be a whole number, at least this rank's own flag; without an overflow, the
     // sum of squares must be at least this rank's share (so not NaN, nor negative), and infinite only if the
     // share is. A NaN fails every comparison. Anything else is counted, and the step is skipped.

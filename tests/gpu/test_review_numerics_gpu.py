@@ -1,0 +1,39 @@
+"""The numerics report on the GPU against what the table cache shares: not yet run on a GPU (review findings)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import open_step
+
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
+
+FACES = [GradScaler, SyncFreeGradScaler]
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_rank_without_gradients_takes_the_report(face: type) -> None:
+    """check([], report=True) once the state is on the GPU: the pass over nothing, an empty report."""
+    scaler: Any = face(init_scale=2.0)
+    grads = [cupy.ones(4, cupy.float32)]
+    open_step(scaler, cupy).check(grads, report=True)  # places the state on the GPU
+    scaler.update()
+    stats = open_step(scaler, cupy).check([], report=True)
+    assert bool(stats.finite)
+    assert scaler.gradient_numerics() == []
+
+
+@pytest.mark.xfail(reason="the report lives in the shared cached GradientTable, not in the scaler's state", strict=True)
+def test_another_scalers_report_over_the_same_memory_does_not_replace_this_ones() -> None:
+    grad = cupy.asarray(np.array([1.0, 0.0, 0.0, 2.0], np.float32))
+    first, second = GradScaler(init_scale=2.0), GradScaler(init_scale=2.0)
+    open_step(first, cupy).check([grad], report=True)
+    first.update()
+    grad[...] = 5.0  # the next model's gradients, in the same memory (or new memory at the same address)
+    open_step(second, cupy).check([grad], report=True)  # the same cache key: the same table and report buffer
+    (row,) = first.gradient_numerics()  # first's last step: [1, 0, 0, 2]
+    assert (row.amax, row.zeros) == (2.0, 2)
