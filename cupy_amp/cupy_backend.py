@@ -154,7 +154,9 @@ class DeviceStatsRecord:
             self._grid = _stats_grid()
             self._memory = cupy.zeros(STATS.itemsize, dtype=np.uint8)
             self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
-            self._retired: list[cupy.ndarray] = []  # smaller ones it replaced, which captured graphs may still use
+            # The numerics report: 3 counts per gradient (this state's own, never another scaler's); grows likewise.
+            self._report = cupy.zeros(0, dtype=np.uint64)
+            self._retired: list[cupy.ndarray] = []  # smaller ones they replaced, which captured graphs may still use
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
@@ -184,13 +186,22 @@ class DeviceStatsRecord:
         return record
 
     def reserve(self, plan: tuple[GradientGroup, ...] | None) -> None:
-        """Make room for one sum per block of ``plan``'s launches (refused inside a CUDA graph capture)."""
+        """Make room for one sum per block of ``plan``'s launches and for its report (refused inside a capture)."""
         blocks = sum(grid for _, grid in self._grids(plan))
-        if blocks > self._partials.size:
-            refuse_capture("the statistics buffer must first grow to these gradients' size")
-            self._retired.append(self._partials)  # a graph captured before still writes it: never freed
+        counts = 3 * sum(len(group.positions) for group in plan or ())
+        if blocks > self._partials.size or counts > self._report.size:
+            refuse_capture("the statistics buffers must first grow to these gradients' size")
+            self._retired += [self._partials, self._report]  # a graph captured before still writes them: never freed
             with _on_device(self.device):
-                self._partials = cupy.zeros(blocks, dtype=np.float64)
+                self._partials = cupy.zeros(max(blocks, self._partials.size), dtype=np.float64)
+                report = cupy.zeros(max(counts, self._report.size), dtype=np.uint64)
+                report[: self._report.size] = self._report  # a report not read yet survives the growth
+                self._report = report
+
+    def report_counts(self, plan: tuple[GradientGroup, ...] | None) -> np.ndarray:
+        """Return the report of ``plan``'s last ``gather(report=True)``: 3 counts per gradient, group after group."""
+        counts = 3 * sum(len(group.positions) for group in plan or ())
+        return np.asarray(self._report[:counts].get())
 
     def gather(
         self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool,
@@ -201,18 +212,23 @@ class DeviceStatsRecord:
         The kernels read the epoch and the scale from ``state`` (a State's
         address) and set its flags on inf/nan. With ``voting``, only this rank's
         sums are taken: :attr:`values` is then to be all-reduced, and
-        :meth:`finish` called. With ``report``, the same read also fills each
-        table's numerics report (zeroed first, on the stream).
+        :meth:`finish` called. With ``report``, the same read also fills this
+        record's numerics report (zeroed first, on the stream), 3 counts per
+        gradient, the groups' gradients one after the other.
         """
         self.reserve(plan)
         self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
-        for group in (plan or ()) if report else ():  # no plan: a call without arrays
-            table = group.table
-            cupy.cuda.runtime.memsetAsync(table.report.data.ptr, 0, table.report.nbytes, stream.ptr)
-        partials, written = int(self._partials.data.ptr), 0
-        for launch, grid in self._grids(plan, report):  # each launch's sums go right after the previous launch's
-            launch(grid, stream.ptr, partials=partials + 8 * written, state=state)
-            written += grid
+        if report and self._report.size:
+            cupy.cuda.runtime.memsetAsync(self._report.data.ptr, 0, self._report.nbytes, stream.ptr)
+        partials, written, reported = int(self._partials.data.ptr), 0, 0
+        for group in plan or ():  # each launch's sums go right after the previous one's; its report likewise
+            launch = group.table.report_stats if report else group.table.stats  # None: no elements
+            if launch is not None:
+                grid = min(group.table.chunk_count, self._grid)  # as _grids() gives, which reserve() sized
+                entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
+                launch(grid, stream.ptr, partials=partials + 8 * written, state=state, **entries)
+                written += grid
+            reported += len(group.positions)
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
             max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
@@ -389,9 +405,10 @@ class DeviceState:
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             self._last_stream = None
+            report, first = self.stats.report_counts(plan).reshape(-1, 3), 0
             for group in plan or ():
                 table = group.table
-                counts = table.report.get().reshape(-1, 3)
+                counts, first = report[first : first + len(group.positions)], first + len(group.positions)
                 unsigned = np.dtype(f"<u{table.dtype.itemsize}")
                 amax = counts[:, 0].astype(unsigned).view(table.dtype).astype(np.float64)
                 for index, position in enumerate(group.positions):

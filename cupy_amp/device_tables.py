@@ -137,8 +137,7 @@ class GradientTable(NamedTuple):
     tensor_found: cupy.ndarray  # uint64 per tensor: the epoch of the last launch that saw inf/nan in it
     launch: _Launcher | None  # the unscale kernel; None when the group has no elements, or is bfloat16
     stats: _Launcher | None  # the statistics kernel; None when the group has no elements
-    report_stats: _Launcher | None  # the same with the numerics report, into `report`
-    report: cupy.ndarray  # uint64 per tensor, 3 each: the largest finite magnitude's bits, zeros, subnormals
+    report_stats: _Launcher | None  # the same with the numerics report (into the scaler's record: never shared)
     dtype: np.dtype[Any]
     sizes: tuple[int, ...]  # each tensor's element count
 
@@ -195,7 +194,6 @@ def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable
     records["tensor"] = tensor
     records["layout"] = layout_of[tensor]
     tensor_found = cupy.zeros(count, dtype=np.uint64)  # queued before the upload, whose wait covers it
-    report = cupy.zeros(3 * count, dtype=np.uint64)
     memory = upload(np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)]))
     launch = stats = report_stats = None
     if len(records):
@@ -208,11 +206,9 @@ def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable
             launch = _Launcher(function, UNSCALE_ARGS, **tables)
         stats = _Launcher(_function("grad_stats.cu", f"cupy_amp_gradient_stats_{type_name}"), STATS_ARGS, **tables)
         function = _function("grad_stats.cu", f"cupy_amp_gradient_report_{type_name}")
-        report_stats = _Launcher(function, STATS_ARGS, report=report.data.ptr, **tables)
+        report_stats = _Launcher(function, STATS_ARGS, **tables)
     counts = tuple(int(size) for size in sizes)
-    return GradientTable(
-        len(records), memory, tensor_found, launch, stats, report_stats, report, arrays[0].dtype, counts
-    )
+    return GradientTable(len(records), memory, tensor_found, launch, stats, report_stats, arrays[0].dtype, counts)
 
 
 # The optimizers' tables: one per parameter dtype, each a launch of the rule's kernel.

@@ -177,6 +177,7 @@ def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
     record = object.__new__(cupy_backend.DeviceStatsRecord)
     record._grid = 4
     record._partials = SimpleNamespace(size=0, data=SimpleNamespace(ptr=0))
+    record._report = SimpleNamespace(size=0, nbytes=0, data=SimpleNamespace(ptr=0))
     record.result = SimpleNamespace(stream=None)
     record.address = 0
     record._finish = lambda grid, stream, **fields: finished.append(fields)

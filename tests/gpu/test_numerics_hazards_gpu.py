@@ -1,4 +1,4 @@
-"""The numerics report on the GPU against what the table cache shares: not yet run on a GPU (review findings)."""
+"""The numerics report on the GPU against what is shared: the table cache, a call's several dtype groups."""
 
 from __future__ import annotations
 
@@ -27,7 +27,6 @@ def test_a_rank_without_gradients_takes_the_report(face: type) -> None:
     assert scaler.gradient_numerics() == []
 
 
-@pytest.mark.xfail(reason="the report lives in the shared cached GradientTable, not in the scaler's state", strict=True)
 def test_another_scalers_report_over_the_same_memory_does_not_replace_this_ones() -> None:
     grad = cupy.asarray(np.array([1.0, 0.0, 0.0, 2.0], np.float32))
     first, second = GradScaler(init_scale=2.0), GradScaler(init_scale=2.0)
@@ -37,3 +36,19 @@ def test_another_scalers_report_over_the_same_memory_does_not_replace_this_ones(
     open_step(second, cupy).check([grad], report=True)  # the same cache key: the same table and report buffer
     (row,) = first.gradient_numerics()  # first's last step: [1, 0, 0, 2]
     assert (row.amax, row.zeros) == (2.0, 2)
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_call_of_several_dtypes_reports_each_gradient_in_its_place(face: type) -> None:
+    rng = np.random.default_rng(8)
+    host = [
+        rng.standard_normal(70000).astype(np.float32),
+        np.zeros(0, np.float64),  # a group with no elements between two that have some
+        np.array([0.0, 1e-6, 3.0, 0.0], np.float16),
+        np.array([0.0, -7.0], np.float32),
+    ]
+    on_gpu, on_cpu = open_step(face(init_scale=1.0), cupy), open_step(face(init_scale=1.0))
+    on_gpu.check([cupy.asarray(g) for g in host], report=True)
+    on_cpu.check(host, report=True)
+    assert on_gpu.gradient_numerics() == on_cpu.gradient_numerics()
+    assert [(row.label, row.zeros) for row in on_gpu.gradient_numerics()][1:] == [(1, 0), (2, 2), (3, 1)]
