@@ -156,6 +156,7 @@ class DeviceStatsRecord:
             self._partials = cupy.zeros(0, dtype=np.float64)  # one sum per block; grows outside captures
             # The numerics report: 3 counts per gradient (this state's own, never another scaler's); grows likewise.
             self._report = cupy.zeros(0, dtype=np.uint64)
+            self._filled: cupy.ndarray | None = None  # the report buffer the last check(report=True) wrote
             self._retired: list[cupy.ndarray] = []  # smaller ones they replaced, which captured graphs may still use
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
@@ -194,14 +195,18 @@ class DeviceStatsRecord:
             self._retired += [self._partials, self._report]  # a graph captured before still writes them: never freed
             with _on_device(self.device):
                 self._partials = cupy.zeros(max(blocks, self._partials.size), dtype=np.float64)
-                report = cupy.zeros(max(counts, self._report.size), dtype=np.uint64)
-                report[: self._report.size] = self._report  # a report not read yet survives the growth
-                self._report = report
+                self._report = cupy.zeros(max(counts, self._report.size), dtype=np.uint64)
 
     def report_counts(self, plan: tuple[GradientGroup, ...] | None) -> np.ndarray:
-        """Return the report of ``plan``'s last ``gather(report=True)``: 3 counts per gradient, group after group."""
+        """Return the report of ``plan``'s last ``gather(report=True)``: 3 counts per gradient, group after group.
+
+        Read from the buffer that gather wrote, which a graph captured then keeps writing, even after the
+        buffer grew for other gradients (the record then points at a new one, and graphs at the old).
+        """
         counts = 3 * sum(len(group.positions) for group in plan or ())
-        return np.asarray(self._report[:counts].get())
+        if self._filled is None or counts == 0:
+            return np.zeros(counts, dtype=np.uint64)
+        return np.asarray(self._filled[:counts].get())
 
     def gather(
         self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool,
@@ -218,8 +223,10 @@ class DeviceStatsRecord:
         """
         self.reserve(plan)
         self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
-        if report and self._report.size:
-            cupy.cuda.runtime.memsetAsync(self._report.data.ptr, 0, self._report.nbytes, stream.ptr)
+        if report:
+            self._filled = self._report
+            if self._report.size:
+                cupy.cuda.runtime.memsetAsync(self._report.data.ptr, 0, self._report.nbytes, stream.ptr)
         partials, written, reported = int(self._partials.data.ptr), 0, 0
         for group in plan or ():  # each launch's sums go right after the previous one's; its report likewise
             launch = group.table.report_stats if report else group.table.stats  # None: no elements
@@ -338,7 +345,8 @@ class DeviceState:
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             (record,) = self._memory.get().view(STATE)
-        self._last_stream = None
+        with self._order:
+            self._last_stream = None
         counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
         state = ScalerState(scale=float(record["scale"]), **counters)
         overflow = bool(record["found"] != 0 or record["agreed"] != 0)
@@ -365,7 +373,8 @@ class DeviceState:
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary
-        self._last_stream = None
+        with self._order:
+            self._last_stream = None
 
     def scale_loss(self, loss: cupy.ndarray) -> None:
         self.follow()
@@ -404,7 +413,8 @@ class DeviceState:
         rows = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
-            self._last_stream = None
+            with self._order:
+                self._last_stream = None
             report, first = self.stats.report_counts(plan).reshape(-1, 3), 0
             for group in plan or ():
                 table = group.table
@@ -448,6 +458,10 @@ class DeviceState:
     def mark_overflow(self) -> None:
         """Count the open step as this rank's overflow; its statistics record too says skip."""
         self._launch("cupy_amp_mark_overflow")
+        self.skip_statistics()
+
+    def skip_statistics(self) -> None:
+        """Make the statistics record say "skip", after the state's last work (an optimizer may still read it)."""
         with _on_device(self.device), self.follow():
             self.stats.skip.fill(1)
 
@@ -461,7 +475,8 @@ class DeviceState:
         positions: list[int] = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
-            self._last_stream = None
+            with self._order:
+                self._last_stream = None
             for group in plan or ():
                 seen = group.table.tensor_found.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]

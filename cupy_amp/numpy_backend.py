@@ -239,7 +239,11 @@ class HostState:
         """Count the open step as this rank's overflow; its statistics record too says skip."""
         self._found = True
         self._finite[()] = False
-        self.stats.record["skip"] = 1
+        self.skip_statistics()
+
+    def skip_statistics(self) -> None:
+        """Make the statistics record say "skip"."""
+        self.stats.skip[...] = 1
 
     def update(self) -> None:
         """Apply the rule once per step: a retry after an interrupted ``update()`` changes nothing more."""

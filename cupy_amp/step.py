@@ -426,7 +426,7 @@ class StateSet:
         """Make every statistics record say "skip", so that no optimizer applies the step."""
         self.finite[()] = False
         for state in self.all():
-            state.stats.skip[...] = 1
+            state.skip_statistics()  # on the GPU: after the state's last work, on its device
 
     def update(self, after: ScalerState) -> None:
         """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import cupy
+import numpy as np
 
 from cupy_amp.device_tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
 from cupy_amp.kernel_interface import PARAM_DTYPE_NAMES
@@ -26,6 +27,7 @@ __all__ = [
     "optimizer_step",
     "param_tables",
     "refuse_capture",
+    "write_after",
 ]
 
 _OTHER_STREAM = (
@@ -69,6 +71,18 @@ def optimizer_step(
             )
         if stats is not None and stats.read_on is not None:
             stats.read_on(current)
+    return current
+
+
+def write_after(device: int, last: Any, target: Any, data: np.ndarray) -> Any:
+    """Copy ``data``'s bytes into ``target`` on the current stream, after the work queued on ``last``.
+
+    Returns the stream, the optimizer's new last one: its next step on another stream waits for the copy.
+    """
+    with _on_device(device):
+        current = cupy.cuda.get_current_stream()
+        order_after(last, current, _OTHER_STREAM)
+        target.set(data.view(np.uint8), stream=current)
     return current
 
 

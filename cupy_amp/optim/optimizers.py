@@ -181,8 +181,9 @@ class _FusedOptimizer:
         if self._device_record is not None:
             self._backend.refuse_capture("a new learning rate is copied from the host")
             offset = self._layout.record_dtype.fields["lr"][1]  # type: ignore[index]
-            with self._xp.cuda.Device(self._device):
-                self._device_record[offset : offset + 8].set(np.array([lr], dtype="<f8").view(np.uint8))
+            target = self._device_record[offset : offset + 8]
+            # After the steps queued so far (which keep the old value), whichever stream they are on.
+            self._stream = self._backend.write_after(self._device, self._stream, target, np.array([lr], dtype="<f8"))
         self._record["lr"] = lr  # after the device's copy
 
     @property

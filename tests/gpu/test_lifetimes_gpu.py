@@ -161,3 +161,41 @@ def test_a_sum_of_squares_no_ranks_can_add_up_to_skips_the_step_and_is_reported(
     assert scaler.had_overflow()
     assert int(device_state(scaler).stats.skip) == 1  # what any optimizer reads: skip
     assert optimizer.step_count == 0 and cupy.asnumpy(weights).tolist() == [0.0] * 4
+
+
+def test_a_learning_rate_set_on_another_stream_does_not_reach_a_step_queued_before() -> None:
+    """A new learning rate is written after the steps already queued, whichever stream they are on."""
+    s = cupy.cuda.Stream(non_blocking=True)
+    weights, grad = cupy.zeros(1000, cupy.float32), cupy.ones(1000, cupy.float32)
+    optimizer = SGD([weights], lr=1.0)
+    optimizer.step([grad], None)  # tables built now (building them waits); weights = -1
+    cupy.cuda.Device().synchronize()
+    with s:
+        _SPIN((1,), (1,), (np.int64(500_000_000),))  # about a quarter of a second
+        optimizer.step([grad], None)  # queued with lr 1: weights = -2
+    optimizer.lr = 0.0  # on the null stream, while the step above waits behind the spin
+    cupy.cuda.Device().synchronize()
+    assert cupy.asnumpy(weights).tolist() == [-2.0] * 1000  # the queued step kept lr 1
+    with s:
+        optimizer.step([grad], None)
+    cupy.cuda.Device().synchronize()
+    assert cupy.asnumpy(weights).tolist() == [-2.0] * 1000  # the step after the setter uses lr 0
+
+
+@pytest.mark.xfail(
+    reason="known, not fixed yet: tensor_found lives in the shared cached GradientTable, so a second sync-free "
+    "scaler's pass over the same memory overwrites the first one's epoch (found by a reading review)",
+    raises=AssertionError,
+    strict=True,
+)
+def test_two_sync_free_scalers_over_the_same_memory_keep_their_own_culprits() -> None:
+    """tensor_found lives in the shared (cached) GradientTable: the second scaler's pass over the same
+    memory overwrites the first one's epoch, and the sync-free face reads culprits lazily."""
+    grad = cupy.ones(8, cupy.float32)
+    grad[3] = cupy.inf
+    first, second = SyncFreeGradScaler(init_scale=1.0), SyncFreeGradScaler(init_scale=1.0)
+    open_step(first, cupy).check([grad])
+    open_step(second, cupy).check([grad])  # same addresses, shape, strides: the same table, the same tensor_found
+    assert first.had_overflow()
+    assert first.nonfinite_gradients() == [0]  # suspected: [] (tensor_found[0] holds second's epoch)
+    assert second.nonfinite_gradients() == [0]

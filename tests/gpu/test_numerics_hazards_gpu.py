@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import open_step
+from helpers import capture, open_step
 
 cupy = pytest.importorskip("cupy")
 
@@ -52,3 +52,30 @@ def test_a_call_of_several_dtypes_reports_each_gradient_in_its_place(face: type)
     on_cpu.check(host, report=True)
     assert on_gpu.gradient_numerics() == on_cpu.gradient_numerics()
     assert [(row.label, row.zeros) for row in on_gpu.gradient_numerics()][1:] == [(1, 0), (2, 2), (3, 1)]
+
+
+def test_a_replay_after_the_report_buffer_grew_is_reported() -> None:
+    """A bigger plan prepared after the capture grows the record's report buffer; the graph captured before keeps
+    writing the old one, which is the one gradient_numerics() must read (found by a reading review)."""
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        grad = cupy.zeros(1000, cupy.float16)
+        scaler = SyncFreeGradScaler(init_scale=1.0)
+        prepared = scaler.prepare([grad])
+        loss = cupy.ones((), cupy.float32)
+
+        def step() -> None:
+            scaler.scale_loss(loss)
+            scaler.check(prepared, report=True)
+            scaler.update()
+
+        step()  # eager: the report says 1000 zeros
+        graph = capture(stream, step)
+        others = [cupy.ones(10, cupy.float16) for _ in range(5)]
+        scaler.prepare(others)  # 5 gradients: 15 report entries > 3, 5 blocks > 1: both buffers replaced
+        grad.fill(1.0)
+        grad[:10] = 0.0
+        graph.launch(stream)
+        stream.synchronize()
+        (row,) = scaler.gradient_numerics()
+        assert (row.zeros, row.amax) == (10, 1.0)  # the replay's, from the buffer the graph writes
