@@ -19,8 +19,8 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.gradients import GradientSet
-from cupy_amp.rule import ScalerConfig
-from cupy_amp.scaler import GradScaler, GradScalerStats
+from cupy_amp.rule import GradScalerStats, ScalerConfig
+from cupy_amp.scaler import GradScaler
 from cupy_amp.statistics import GradientNumerics, GradientStats
 from cupy_amp.sync_free import SyncFreeGradScaler
 

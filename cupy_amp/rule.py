@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import cast
 
 import numpy as np
@@ -24,6 +24,7 @@ __all__ = [
     "FLOAT32_MAX",
     "INT_MAX",
     "SMALLEST_SCALE",
+    "GradScalerStats",
     "ScalerConfig",
     "ScalerState",
     "expect_bool",
@@ -199,6 +200,62 @@ class ScalerState:
     growths: int = 0
     backoffs: int = 0
     remote_skipped_steps: int = 0
+
+
+@dataclass(frozen=True)
+class GradScalerStats:
+    """A scaler's state at the moment its ``stats()`` was called (either scaler).
+
+    Attributes:
+        scale: The stored loss scale (also while the scaler is disabled).
+        consecutive_good_steps: Clean steps in a row since the last growth or overflow.
+        hysteresis_tracker: Overflows still tolerated before the next backoff.
+        enabled: Whether scaling is on.
+        steps: ``update()`` calls made while enabled, skipped or not.
+        skipped_steps: Of those, the steps whose gradients overflowed.
+        growths: Times the scale grew.
+        backoffs: Times the scale shrank.
+        remote_skipped_steps: Skipped steps whose overflow was on another rank only
+            (this process's gradients were finite); always 0 without a communicator.
+        last_overflow: Where the current (or last) step's overflow was: "none",
+            "local" (this process's gradients) or "remote" (another rank's only).
+    """
+
+    scale: float
+    consecutive_good_steps: int
+    hysteresis_tracker: int
+    enabled: bool
+    steps: int
+    skipped_steps: int
+    growths: int
+    backoffs: int
+    remote_skipped_steps: int
+    last_overflow: str
+
+    @classmethod
+    def of(cls, state: ScalerState, enabled: bool, overflow: bool, local: bool) -> GradScalerStats:
+        """Build the snapshot of ``state``, whose last step did (or did not) overflow, here or elsewhere."""
+        return cls(
+            scale=state.scale,
+            consecutive_good_steps=state.consecutive_good_steps,
+            hysteresis_tracker=state.hysteresis_tracker,
+            enabled=enabled,
+            steps=state.steps,
+            skipped_steps=state.skipped_steps,
+            growths=state.growths,
+            backoffs=state.backoffs,
+            remote_skipped_steps=state.remote_skipped_steps,
+            last_overflow=("local" if local else "remote") if overflow else "none",
+        )
+
+    def to_dict(self) -> dict[str, float | int | bool | str]:
+        """Return the fields as a plain dict (for loggers such as TensorBoard or W&B)."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        # One line, field=value with the field names; nine significant digits name every float32 exactly.
+        fields = " ".join(f"{name}={value}" for name, value in asdict(self).items() if name != "scale")
+        return f"scale={self.scale:.9g} {fields}"
 
 
 def initial_state(config: ScalerConfig, init_scale: object) -> ScalerState:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Hashable, Iterator
-from dataclasses import asdict, dataclass
 from typing import Any, NamedTuple
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
@@ -12,68 +11,12 @@ from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, 
 from cupy_amp.errors import CommunicatorError, ConfigError, GradientValueError
 from cupy_amp.face import Face, NumericsSource
 from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state, next_state
+from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
 from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
 from cupy_amp.step import INSPECTED, UNSCALED, Ballot, StateSet, Step, check_call, unscale_call
 
-__all__ = ["GradScaler", "GradScalerStats"]
-
-
-@dataclass(frozen=True)
-class GradScalerStats:
-    """The scaler's state at the moment :meth:`GradScaler.stats` was called.
-
-    Attributes:
-        scale: The stored loss scale (also while the scaler is disabled).
-        consecutive_good_steps: Clean steps in a row since the last growth or overflow.
-        hysteresis_tracker: Overflows still tolerated before the next backoff.
-        enabled: Whether scaling is on.
-        steps: ``update()`` calls made while enabled, skipped or not.
-        skipped_steps: Of those, the steps whose gradients overflowed.
-        growths: Times the scale grew.
-        backoffs: Times the scale shrank.
-        remote_skipped_steps: Skipped steps whose overflow was on another rank only
-            (this process's gradients were finite); always 0 without a communicator.
-        last_overflow: Where the current (or last) step's overflow was: "none",
-            "local" (this process's gradients) or "remote" (another rank's only).
-    """
-
-    scale: float
-    consecutive_good_steps: int
-    hysteresis_tracker: int
-    enabled: bool
-    steps: int
-    skipped_steps: int
-    growths: int
-    backoffs: int
-    remote_skipped_steps: int
-    last_overflow: str
-
-    @classmethod
-    def of(cls, state: ScalerState, enabled: bool, overflow: bool, local: bool) -> GradScalerStats:
-        """Build the snapshot of ``state``, whose last step did (or did not) overflow, here or elsewhere."""
-        return cls(
-            scale=state.scale,
-            consecutive_good_steps=state.consecutive_good_steps,
-            hysteresis_tracker=state.hysteresis_tracker,
-            enabled=enabled,
-            steps=state.steps,
-            skipped_steps=state.skipped_steps,
-            growths=state.growths,
-            backoffs=state.backoffs,
-            remote_skipped_steps=state.remote_skipped_steps,
-            last_overflow=("local" if local else "remote") if overflow else "none",
-        )
-
-    def to_dict(self) -> dict[str, float | int | bool | str]:
-        """Return the fields as a plain dict (for loggers such as TensorBoard or W&B)."""
-        return asdict(self)
-
-    def __str__(self) -> str:
-        # One line, field=value with the field names; nine significant digits name every float32 exactly.
-        fields = " ".join(f"{name}={value}" for name, value in asdict(self).items() if name != "scale")
-        return f"scale={self.scale:.9g} {fields}"
+__all__ = ["GradScaler"]
 
 
 class _Mirror(NamedTuple):

@@ -13,8 +13,7 @@ from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, 
 from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
 from cupy_amp.face import Face, NumericsSource
 from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients, parse_loss
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, initial_state
-from cupy_amp.scaler import GradScalerStats
+from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state
 from cupy_amp.state import Snapshot, State
 from cupy_amp.statistics import GradientStats, expect_max_norm
 from cupy_amp.step import INSPECTED, UNSCALED, Ballot, CallRecord, StateSet, Step, check_call, unscale_call, where
