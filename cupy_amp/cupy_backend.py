@@ -28,7 +28,7 @@ from cupy_amp.device_tables import GradientGroup, dense_base, gradient_tables, l
 from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, STATS, UNSCALE_DTYPE_NAMES
-from cupy_amp.kernel_launch import MAX_GRID, _Launcher, _on_device, launcher, order_after, refuse_capture
+from cupy_amp.kernel_launch import MAX_GRID, _Launcher, _on_device, capturing, launcher, order_after, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.statistics import GradientStats, Numerics
@@ -85,11 +85,6 @@ def write_problem(array: cupy.ndarray, source: Any) -> str | None:
     if array.ndim > MAX_NDIM:
         return f"it has {array.ndim} dimensions, more than the kernels' {MAX_NDIM}"
     return None
-
-
-def capturing() -> bool:
-    """Return whether the current stream is capturing a CUDA graph."""
-    return bool(cupy.cuda.get_current_stream().is_capturing())
 
 
 def location(array: cupy.ndarray) -> tuple[int, int]:
@@ -171,15 +166,18 @@ class DeviceStatsRecord:
         offset = _STATS_FIELDS[name]
         return self._memory[offset : offset + np.dtype(dtype).itemsize].view(dtype).reshape(())
 
-    def _grids(self, plan: tuple[GradientGroup, ...] | None, report: bool = False) -> list[tuple[_Launcher, int]]:
-        """Return each group's statistics launch and its blocks (groups without elements have none).
+    def _launches(
+        self, plan: tuple[GradientGroup, ...] | None, report: bool = False
+    ) -> list[tuple[GradientGroup, _Launcher | None, int]]:
+        """Return each group with its statistics launch and blocks (None and 0 for a group without elements).
 
         The report's launches have the same grids, so the sums, their order and their bits are the same.
         """
-        launches = [
-            (group.table.report_stats if report else group.table.stats, group.table.chunk_count) for group in plan or ()
-        ]
-        return [(launch, min(chunks, self._grid)) for launch, chunks in launches if launch is not None]
+        launches = []
+        for group in plan or ():
+            launch = group.table.report_stats if report else group.table.stats
+            launches.append((group, launch, 0 if launch is None else min(group.table.chunk_count, self._grid)))
+        return launches
 
     def read(self, stream: Any) -> np.void:
         """Return the record as written by the work queued on ``stream`` (waits for it)."""
@@ -188,7 +186,7 @@ class DeviceStatsRecord:
 
     def reserve(self, plan: tuple[GradientGroup, ...] | None) -> None:
         """Make room for one sum per block of ``plan``'s launches and for its report (refused inside a capture)."""
-        blocks = sum(grid for _, grid in self._grids(plan))
+        blocks = sum(grid for _, _, grid in self._launches(plan))
         counts = 3 * sum(len(group.positions) for group in plan or ())
         if blocks > self._partials.size or counts > self._report.size:
             refuse_capture("the statistics buffers must first grow to these gradients' size")
@@ -228,10 +226,8 @@ class DeviceStatsRecord:
             if self._report.size:
                 cupy.cuda.runtime.memsetAsync(self._report.data.ptr, 0, self._report.nbytes, stream.ptr)
         partials, written, reported = int(self._partials.data.ptr), 0, 0
-        for group in plan or ():  # each launch's sums go right after the previous one's; its report likewise
-            launch = group.table.report_stats if report else group.table.stats  # None: no elements
+        for group, launch, grid in self._launches(plan, report):  # each launch's sums, and report, after the last
             if launch is not None:
-                grid = min(group.table.chunk_count, self._grid)  # as _grids() gives, which reserve() sized
                 entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
                 launch(grid, stream.ptr, partials=partials + 8 * written, state=state, **entries)
                 written += grid

@@ -21,7 +21,7 @@ import numpy as np
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import ENTRIES, STRUCTS, THREADS, compile_options, compile_source
 
-__all__ = ["MAX_GRID", "launcher", "order_after", "refuse_capture"]
+__all__ = ["MAX_GRID", "capturing", "launcher", "order_after", "refuse_capture"]
 
 MAX_GRID = 2**31 - 1  # the most blocks of a launch (gridDim.x); the kernels loop over the chunks beyond it
 
@@ -89,13 +89,18 @@ def _on_device(device_id: int) -> contextlib.AbstractContextManager[Any]:
     return device
 
 
+def capturing() -> bool:
+    """Return whether the current stream is capturing a CUDA graph."""
+    return bool(cupy.cuda.get_current_stream().is_capturing())
+
+
 def refuse_capture(what: str) -> None:
     """Raise if the current stream is capturing a CUDA graph: ``what`` needs work that a capture cannot record.
 
     Raises:
         ScalerProtocolError: The stream is capturing.
     """
-    if cupy.cuda.get_current_stream().is_capturing():
+    if capturing():
         raise ScalerProtocolError(
             f"This call cannot run inside a CUDA graph capture: {what}. Before capturing, call "
             "scaler.prepare(gradients) and pass the GradientSet it returns (or run the step once)."

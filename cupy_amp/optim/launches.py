@@ -14,6 +14,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from cupy_amp import kernel_launch
 from cupy_amp.device_tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
 from cupy_amp.kernel_interface import PARAM_DTYPE_NAMES
 from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
@@ -89,4 +90,4 @@ def write_after(device: int, last: Any, target: Any, data: np.ndarray) -> Any:
 def capturing(device: int) -> bool:
     """Return whether the device's current stream is capturing a CUDA graph."""
     with _on_device(device):
-        return bool(cupy.cuda.get_current_stream().is_capturing())
+        return kernel_launch.capturing()
