@@ -55,7 +55,9 @@ struct AdamWRule {
     static __device__ __forceinline__ void update(const State& h, float g, float& p, float& m, float& v) {
         g = mul_f32(g, h.factor);
         p = mul_f32(p, h.decay);
-        m = fma_f32(h.lerp_weight, sub_f32(g, m), m);
+        // torch's lerp of m towards g: from m for a small weight (beta1 > 0.5), from g for a large one.
+        m = h.lerp_weight < 0.5f ? fma_f32(h.lerp_weight, sub_f32(g, m), m)
+                                 : fma_f32(sub_f32(h.lerp_weight, 1.0f), sub_f32(g, m), g);
         v = fma_f32(mul_f32(h.one_minus_beta2, g), g, mul_f32(v, h.beta2_f));
         const float denom = add_f32(div_f32(sqrt_f32(v), h.bias_correction2_sqrt), h.eps_f);
         p = add_f32(p, div_f32(mul_f32(h.neg_step_size, m), denom));

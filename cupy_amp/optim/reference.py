@@ -89,7 +89,11 @@ def adamw_update(record: np.ndarray, grad: np.ndarray, weights: np.ndarray, m: n
     with np.errstate(all="ignore"):
         g = grad.astype(np.float32) * record["factor"]
         np.multiply(weights, record["decay"], out=weights)
-        m[...] = fma32(record["lerp_weight"], g - m, m)
+        weight = record["lerp_weight"]
+        if weight < 0.5:  # torch's lerp: from the start for a small weight, from the end for a large one
+            m[...] = fma32(weight, g - m, m)
+        else:
+            m[...] = fma32(np.float32(weight - np.float32(1.0)), g - m, g)
         v[...] = fma32(record["one_minus_beta2"] * g, g, v * record["beta2_f"])
         denom = np.sqrt(v) / record["bias_correction2_sqrt"] + record["eps_f"]
         np.add(weights, (record["neg_step_size"] * m) / denom, out=weights)

@@ -103,6 +103,7 @@ class MirroredScaler(GradScaler):
         self.gpu = GradScaler(**config)
         self.checked_steps = 0
         self.overflowed_steps = 0
+        self.reported_steps = 0
 
     def scale_loss(self, loss: Any) -> None:
         import cupy
@@ -112,15 +113,18 @@ class MirroredScaler(GradScaler):
         super().scale_loss(loss)
         assert cupy.asnumpy(on_gpu).tobytes() == np.asarray(loss).tobytes()
 
-    def check(self, gradients: Any, *, max_norm: float | None = None) -> Any:
+    def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> Any:
         import cupy
 
         on_gpu = {name: cupy.asarray(grad) for name, grad in gradients.items()}
-        gpu_stats = self.gpu.check(on_gpu, max_norm=max_norm)
-        stats = super().check(gradients, max_norm=max_norm)
+        gpu_stats = self.gpu.check(on_gpu, max_norm=max_norm, report=report)
+        stats = super().check(gradients, max_norm=max_norm, report=report)
         finite = bool(stats.finite)
         assert bool(gpu_stats.finite) == finite
         assert self.gpu.nonfinite_gradients() == self.nonfinite_gradients()
+        if report:  # counts and the largest magnitude do not depend on the order of the read
+            assert self.gpu.gradient_numerics() == self.gradient_numerics()
+            self.reported_steps += 1
         if finite:  # the sums run in other orders: the norms agree within a float32 ulp
             norm, gpu_norm = np.float32(stats.norm), np.float32(cupy.asnumpy(gpu_stats.norm))
             assert abs(float(norm) - float(gpu_norm)) <= float(np.spacing(norm))
@@ -150,6 +154,7 @@ def test_the_scaler_treats_the_demo_gradients_identically_on_cpu_and_gpu() -> No
     for _ in range(120):
         trainer.step()
     assert scaler.checked_steps == 120
+    assert scaler.reported_steps == 120  # the demo asks for the report on every step
     assert scaler.overflowed_steps >= 5  # the start and a growth at step 56 overflow
     assert scaler.stats().growths >= 1
 

@@ -23,6 +23,7 @@ PARAM_DTYPES = ["float16", "float32"] + (["bfloat16"] if BF16 is not None else [
 OPTIMIZERS: dict[str, Any] = {
     "adamw": lambda params: AdamW(params, lr=1e-3, weight_decay=0.01),
     "adamw-no-decay": lambda params: AdamW(params, lr=3e-4, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0),
+    "adamw-large-lerp-weight": lambda params: AdamW(params, lr=1e-3, betas=(0.3, 0.999)),  # torch's lerp from the end
     "sgd": lambda params: SGD(params, lr=1e-2),
     "sgd-momentum": lambda params: SGD(params, lr=1e-2, momentum=0.9, weight_decay=1e-4),
     "sgd-nesterov": lambda params: SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
