@@ -228,7 +228,7 @@ ENTRIES = {
 
 def compile_options() -> tuple[str, ...]:
     """Return the options passed to ``cupy.RawModule`` (CuPy adds its own)."""
-    return ("--std=c++17", f"-DCUPY_AMP_THREADS={THREADS}")
+    return ("--std=c++17", f"-DCUPY_AMP_THREADS={THREADS}", f"-DCUPY_AMP_CHUNK_BYTES={CHUNK_BYTES}")
 
 
 _C_TYPES = {

@@ -427,27 +427,133 @@ struct Multiply {
     }
 };
 
+// One thread's numerics report of the elements it walked in a chunk: the largest finite magnitude (in the
+// type's bits, whose order is the magnitudes' order), the count of zeros and of subnormals. one() takes any
+// element, on the integer pipe; finite() takes a vector known to hold no inf/nan. The walk already keeps
+// the integer pipe busy, so Tally<Half> and Tally<Single> below count finite vectors on the float pipes.
+template <class T>
+struct ScalarTally {
+    typedef typename T::bits bits;
+    bits amax = 0;
+    u32 zeros = 0, subnormals = 0;
+    __device__ __forceinline__ void one(bits x) {
+        const bits magnitude = x & T::kMagnitude;
+        if (magnitude < T::kInfinity && magnitude > amax) amax = magnitude;
+        zeros += magnitude == 0;
+        subnormals += (bits)(magnitude - 1) < (bits)(T::kMinNormal - 1);  // 0 < magnitude < kMinNormal
+    }
+    __device__ __forceinline__ void finite(const Vector<T>& v) {
+#pragma unroll
+        for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) one(v.lanes[lane]);
+    }
+    // The report so far (amax as its bits), then zero again for the next chunk.
+    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
+        largest = amax, zero_count = zeros, subnormal_count = subnormals;
+        amax = 0;
+        zeros = subnormals = 0;
+    }
+};
+
+template <class T>
+struct Tally : ScalarTally<T> {};
+
+// count + (1 where `a` compares to `b`, else 0), lane by lane, in the float type of PTX `TYPE`; no .ftz,
+// so subnormals compare as they are (CuPy compiles with -ftz=true, which inline PTX escapes).
+#define CUPY_AMP_COUNT(NAME, CMP, TYPE, ADD)                                                             \
+    __device__ __forceinline__ u32 NAME(u32 count, u32 a, u32 b) {                                       \
+        u32 r;                                                                                           \
+        asm("{ .reg .b32 hit;\n\t set." CMP "." TYPE "." TYPE " hit, %1, %2;\n\t " ADD " %0, %3, hit; }" \
+            : "=r"(r)                                                                                    \
+            : "r"(a), "r"(b), "r"(count));                                                               \
+        return r;                                                                                        \
+    }
+CUPY_AMP_COUNT(single_count_equal, "eq", "f32", "add.rn.f32")
+CUPY_AMP_COUNT(single_count_below, "lt", "f32", "add.rn.f32")
+
+__device__ __forceinline__ u32 single_max(u32 a, u32 b) {
+    u32 r;
+    asm("max.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// float32: the largest magnitude and the counts kept as float32 values, exact below 2**24.
+template <>
+struct Tally<Single> : ScalarTally<Single> {
+    u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // float32 bits; small: below 2**-126, zeros too
+    __device__ __forceinline__ void finite(const Vector<Single>& v) {
+#pragma unroll
+        for (int lane = 0; lane < 4; ++lane) {
+            const u32 magnitude = v.lanes[lane] & 0x7fffffffu;
+            largest_finite = single_max(largest_finite, magnitude);
+            zero_lanes = single_count_equal(zero_lanes, magnitude, 0u);
+            small_lanes = single_count_below(small_lanes, magnitude, kMinNormal);
+        }
+    }
+    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
+        ScalarTally<Single>::take(largest, zero_count, subnormal_count);
+        const u32 zero = (u32)__uint_as_float(zero_lanes), small = (u32)__uint_as_float(small_lanes);
+        largest = largest > largest_finite ? largest : largest_finite;
+        zero_count += zero;
+        subnormal_count += small - zero;
+        largest_finite = zero_lanes = small_lanes = 0;
+    }
+    static constexpr u32 kMinNormal = 0x00800000u;
+};
+
+#if __CUDA_ARCH__ >= 800
+// float16, two lanes per 32-bit word, on the half2 pipe: the counts are kept as float16 values, exact up to
+// 2048; a thread's share of one chunk is far less.
+static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
+CUPY_AMP_COUNT(half2_count_equal, "eq", "f16x2", "add.rn.f16x2")
+CUPY_AMP_COUNT(half2_count_below, "lt", "f16x2", "add.rn.f16x2")
+
+__device__ __forceinline__ u32 half2_max(u32 a, u32 b) {
+    u32 r;
+    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+template <>
+struct Tally<Half> : ScalarTally<Half> {
+    u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // f16x2 bits; small: below 2**-14, zeros too
+    __device__ __forceinline__ void finite(const Vector<Half>& v) {
+        const u32 words[4] = {v.raw.x, v.raw.y, v.raw.z, v.raw.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const u32 magnitudes = words[k] & 0x7fff7fffu;
+            largest_finite = half2_max(largest_finite, magnitudes);
+            zero_lanes = half2_count_equal(zero_lanes, magnitudes, 0u);
+            small_lanes = half2_count_below(small_lanes, magnitudes, 0x04000400u);
+        }
+    }
+    static __device__ __forceinline__ u32 lanes_sum(u32 w) {
+        return (u32)f16_to_f32((u16)(w & 0xffffu)) + (u32)f16_to_f32((u16)(w >> 16));
+    }
+    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
+        ScalarTally<Half>::take(largest, zero_count, subnormal_count);
+        const u64 low = largest_finite & 0xffffu, high = largest_finite >> 16;
+        const u64 packed = low > high ? low : high;
+        const u32 zero = lanes_sum(zero_lanes), small = lanes_sum(small_lanes);
+        largest = largest > packed ? largest : packed;
+        zero_count += zero;
+        subnormal_count += small - zero;
+        largest_finite = zero_lanes = small_lanes = 0;
+    }
+};
+#endif
+
 // SumSquares: read only, adding each element's square in float64 to this thread's sum, in walk order. With
-// kReport it also takes the numerics of the chunk being walked (read and reset by the caller, per chunk):
-// the largest finite magnitude (in the type's bits, whose order is the magnitudes' order), the count of
-// zeros and of subnormals.
+// kReport it also keeps the numerics report of the chunk being walked (taken and reset by the caller).
 template <class T, bool kReport = false>
 struct SumSquares {
     typedef T Type;
     typedef typename T::bits bits;
     static constexpr bool kWrites = false;
     double sum = 0.0;
-    bits amax = 0;
-    u32 zeros = 0, subnormals = 0;
-    __device__ __forceinline__ void note(bits x) {
-        const bits magnitude = x & T::kMagnitude;
-        if (magnitude < T::kInfinity && magnitude > amax) amax = magnitude;
-        zeros += magnitude == 0;
-        subnormals += (bits)(magnitude - 1) < (bits)(T::kMinNormal - 1);  // 0 < magnitude < kMinNormal
-    }
+    Tally<T> tally;
     __device__ __forceinline__ bool one(const bits& x) {
         sum = fma(T::value(x), T::value(x), sum);
-        if constexpr (kReport) note(x);
+        if constexpr (kReport) tally.one(x);
         return T::nonfinite(x);
     }
     __device__ __forceinline__ bool vector(const Vector<T>& v) {
@@ -455,9 +561,17 @@ struct SumSquares {
         for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) {
             const double d = T::value(v.lanes[lane]);
             sum = fma(d, d, sum);
-            if constexpr (kReport) note(v.lanes[lane]);
         }
-        return T::vector_nonfinite(v.raw);
+        const bool bad = T::vector_nonfinite(v.raw);
+        if constexpr (kReport) {
+            if (bad) {
+#pragma unroll
+                for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) tally.one(v.lanes[lane]);
+            } else {
+                tally.finite(v);
+            }
+        }
+        return bad;
     }
 };
 

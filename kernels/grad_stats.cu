@@ -9,24 +9,27 @@
 namespace cupy_amp {
 
 // One warp's numerics of a chunk into its tensor's report entry: a max and integer sums, whose order does
-// not change the result. Must be reached by every thread of the warp.
+// not change the result. Shuffled as 32-bit words where the type allows (a warp's counts of one chunk are
+// far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
 __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
-    u64 amax = op.amax, zeros = op.zeros, subnormals = op.subnormals;
+    typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
+    u64 largest, zero_count, subnormal_count;
+    op.tally.take(largest, zero_count, subnormal_count);
+    word amax = (word)largest;
+    u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
     for (int offset = 16; offset > 0; offset /= 2) {
-        const u64 other = __shfl_down_sync(0xffffffffu, amax, offset);
+        const word other = __shfl_down_sync(0xffffffffu, amax, offset);
         amax = other > amax ? other : amax;
         zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
         subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
     }
     if (threadIdx.x % 32 == 0) {
-        if (amax != 0) atomicMax(reinterpret_cast<unsigned long long*>(entry), (unsigned long long)amax);
-        if (zeros != 0) atomicAdd(reinterpret_cast<unsigned long long*>(entry + 1), (unsigned long long)zeros);
-        if (subnormals != 0)
-            atomicAdd(reinterpret_cast<unsigned long long*>(entry + 2), (unsigned long long)subnormals);
+        unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
+        if (amax != 0) atomicMax(counts, (unsigned long long)amax);
+        if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
+        if (subnormals != 0) atomicAdd(counts + 2, (unsigned long long)subnormals);
     }
-    op.amax = 0;
-    op.zeros = op.subnormals = 0;
 }
 
 template <class Type, bool kReport>

@@ -49,6 +49,24 @@ def test_the_gpu_report_equals_numpys_and_the_bits(face: type, dtype: Any) -> No
     assert [row.label for row in gpu if row.nonfinite] == ["big"]
 
 
+@pytest.mark.parametrize("dtype", sorted(MASKS, key=str), ids=str)
+def test_a_finite_gradient_of_zeros_and_subnormals_is_counted_on_the_gpu(dtype: Any) -> None:
+    """Every vector finite (the float-pipe counts), the largest magnitude a subnormal, both signs of zero."""
+    unsigned, magnitude_mask, _, min_normal = MASKS[np.dtype(dtype)]
+    rng = np.random.default_rng(8)
+    size = 5 * CHUNK_BYTES // np.dtype(dtype).itemsize + 3
+    bits = rng.integers(0, int(min_normal), size=size, dtype=np.uint64).astype(unsigned)
+    bits[rng.random(size) < 0.3] = 0
+    bits[rng.random(size) < 0.5] |= unsigned(magnitude_mask + 1)
+    host = bits.view(np.dtype(dtype))
+    scaler = open_step(SyncFreeGradScaler(init_scale=1.0), cupy)
+    scaler.check([cupy.asarray(host)], report=True)
+    (row,) = scaler.gradient_numerics()
+    assert (row.amax, row.zeros, row.subnormals) == on_the_bits(host)
+    smallest_normal = float(np.array(min_normal, dtype=unsigned).view(np.dtype(dtype)))
+    assert row.subnormals > 0 and row.zeros > 0 and 0 < row.amax < smallest_normal
+
+
 @pytest.mark.parametrize("face", FACES)
 def test_the_report_leaves_the_norm_bits_alone_on_the_gpu(face: type) -> None:
     rng = np.random.default_rng(7)
