@@ -446,7 +446,9 @@ struct ScalarTally {
 #pragma unroll
         for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) one(v.lanes[lane]);
     }
-    // The report so far (amax as its bits), then zero again for the next chunk.
+    // After each chunk: the counts kept in float lanes are added to the integer ones (see Tally<Half>).
+    __device__ __forceinline__ void settle() {}
+    // The report so far (amax as its bits), then zero again for the next tensor.
     __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
         largest = amax, zero_count = zeros, subnormal_count = subnormals;
         amax = 0;
@@ -476,7 +478,7 @@ __device__ __forceinline__ u32 single_max(u32 a, u32 b) {
     return r;
 }
 
-// float32: the largest magnitude and the counts kept as float32 values, exact below 2**24.
+// float32: the largest magnitude and the counts kept as float32 values (exact below 2**24), settled per chunk.
 template <>
 struct Tally<Single> : ScalarTally<Single> {
     u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // float32 bits; small: below 2**-126, zeros too
@@ -489,20 +491,24 @@ struct Tally<Single> : ScalarTally<Single> {
             small_lanes = single_count_below(small_lanes, magnitude, kMinNormal);
         }
     }
-    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
-        ScalarTally<Single>::take(largest, zero_count, subnormal_count);
+    __device__ __forceinline__ void settle() {
         const u32 zero = (u32)__uint_as_float(zero_lanes), small = (u32)__uint_as_float(small_lanes);
+        zeros += zero;
+        subnormals += small - zero;
+        zero_lanes = small_lanes = 0;
+    }
+    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
+        settle();
+        ScalarTally<Single>::take(largest, zero_count, subnormal_count);
         largest = largest > largest_finite ? largest : largest_finite;
-        zero_count += zero;
-        subnormal_count += small - zero;
-        largest_finite = zero_lanes = small_lanes = 0;
+        largest_finite = 0;
     }
     static constexpr u32 kMinNormal = 0x00800000u;
 };
 
 #if __CUDA_ARCH__ >= 800
 // float16, two lanes per 32-bit word, on the half2 pipe: the counts are kept as float16 values, exact up to
-// 2048; a thread's share of one chunk is far less.
+// 2048, and settled after each chunk, of which a thread's share is far less.
 static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
 CUPY_AMP_COUNT(half2_count_equal, "eq", "f16x2", "add.rn.f16x2")
 CUPY_AMP_COUNT(half2_count_below, "lt", "f16x2", "add.rn.f16x2")
@@ -529,21 +535,26 @@ struct Tally<Half> : ScalarTally<Half> {
     static __device__ __forceinline__ u32 lanes_sum(u32 w) {
         return (u32)f16_to_f32((u16)(w & 0xffffu)) + (u32)f16_to_f32((u16)(w >> 16));
     }
+    __device__ __forceinline__ void settle() {
+        const u32 zero = lanes_sum(zero_lanes), small = lanes_sum(small_lanes);
+        zeros += zero;
+        subnormals += small - zero;
+        zero_lanes = small_lanes = 0;
+    }
     __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
+        settle();
         ScalarTally<Half>::take(largest, zero_count, subnormal_count);
         const u64 low = largest_finite & 0xffffu, high = largest_finite >> 16;
         const u64 packed = low > high ? low : high;
-        const u32 zero = lanes_sum(zero_lanes), small = lanes_sum(small_lanes);
         largest = largest > packed ? largest : packed;
-        zero_count += zero;
-        subnormal_count += small - zero;
-        largest_finite = zero_lanes = small_lanes = 0;
+        largest_finite = 0;
     }
 };
 #endif
 
 // SumSquares: read only, adding each element's square in float64 to this thread's sum, in walk order. With
-// kReport it also keeps the numerics report of the chunk being walked (taken and reset by the caller).
+// kReport it also keeps the numerics report of the chunks walked (settled after each chunk, taken and reset by
+// the caller when the tensor changes).
 template <class T, bool kReport = false>
 struct SumSquares {
     typedef T Type;

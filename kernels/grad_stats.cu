@@ -8,9 +8,9 @@
 
 namespace cupy_amp {
 
-// One warp's numerics of a chunk into its tensor's report entry: a max and integer sums, whose order does
-// not change the result. Shuffled as 32-bit words where the type allows (a warp's counts of one chunk are
-// far below 2**32). Must be reached by every thread of the warp.
+// One warp's numerics of its chunks of one tensor into the tensor's report entry: a max and integer sums,
+// whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's counts of one chunk
+// are far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
 __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
@@ -39,8 +39,14 @@ __device__ void gradient_stats(const StatsArgs& args) {
     volatile State* state = reinterpret_cast<State*>(args.state);
     const u64 epoch = state->epoch;
     SumSquares<Type, kReport> op;
+    u64* const entries = reinterpret_cast<u64*>(args.report);
+    int reporting = -1;  // the tensor whose report the block is keeping: a block's chunks of one tensor add up first
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
+        if constexpr (kReport) {
+            if (chunk.tensor != reporting && reporting >= 0) report_chunk(op, entries + 3 * reporting);
+            reporting = chunk.tensor;
+        }
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
         if (walk(chunk.address, layout, chunk.first, chunk.last, op)) {
             // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
@@ -49,7 +55,10 @@ __device__ void gradient_stats(const StatsArgs& args) {
             state->finite = 0;
             state->found = 1;
         }
-        if constexpr (kReport) report_chunk(op, reinterpret_cast<u64*>(args.report) + 3 * chunk.tensor);
+        if constexpr (kReport) op.tally.settle();
+    }
+    if constexpr (kReport) {
+        if (reporting >= 0) report_chunk(op, entries + 3 * reporting);
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
