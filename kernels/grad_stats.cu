@@ -8,38 +8,23 @@
 
 namespace cupy_amp {
 
-// The block's numerics of its chunks of one tensor into the tensor's report entry: a max and integer sums,
-// whose order does not change the result; one atomic per count and block (warps' atomics on one address
-// would queue behind each other). Shuffled as 32-bit words where the type allows (a block's counts of one
-// tensor stay far below 2**32). Must be reached by every thread of the block.
+// One warp's numerics of its chunks of one tensor into the tensor's report entry: a max and integer sums,
+// whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's counts of one chunk
+// are far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
-__device__ __forceinline__ void report_tensor(Op& op, u64* entry) {
+__device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
-    __shared__ word warp_amax[CUPY_AMP_THREADS / 32];
-    __shared__ u32 warp_zeros[CUPY_AMP_THREADS / 32], warp_subnormals[CUPY_AMP_THREADS / 32];
     u64 largest, zero_count, subnormal_count;
     op.tally.take(largest, zero_count, subnormal_count);
     word amax = (word)largest;
     u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
-    const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-    __syncthreads();                           // the previous report may still be reading the warps' entries
-    for (int round = 0; round < 2; ++round) {  // the warps' values, then (warp 0) the block's
-        for (int offset = 16; offset > 0; offset /= 2) {
-            const word other = __shfl_down_sync(0xffffffffu, amax, offset);
-            amax = other > amax ? other : amax;
-            zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
-            subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
-        }
-        if (round == 1) break;
-        if (lane == 0) warp_amax[warp] = amax, warp_zeros[warp] = zeros, warp_subnormals[warp] = subnormals;
-        __syncthreads();
-        if (warp != 0) return;
-        const bool mine = lane < (int)(blockDim.x / 32);
-        amax = mine ? warp_amax[lane] : 0;
-        zeros = mine ? warp_zeros[lane] : 0;
-        subnormals = mine ? warp_subnormals[lane] : 0;
+    for (int offset = 16; offset > 0; offset /= 2) {
+        const word other = __shfl_down_sync(0xffffffffu, amax, offset);
+        amax = other > amax ? other : amax;
+        zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
+        subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
     }
-    if (lane == 0) {
+    if (threadIdx.x % 32 == 0) {
         unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
         if (amax != 0) atomicMax(counts, (unsigned long long)amax);
         if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
@@ -59,7 +44,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         if constexpr (kReport) {
-            if (chunk.tensor != reporting && reporting >= 0) report_tensor(op, entries + 3 * reporting);
+            if (chunk.tensor != reporting && reporting >= 0) report_chunk(op, entries + 3 * reporting);
             reporting = chunk.tensor;
         }
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
@@ -73,7 +58,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
         if constexpr (kReport) op.tally.settle();
     }
     if constexpr (kReport) {
-        if (reporting >= 0) report_tensor(op, entries + 3 * reporting);
+        if (reporting >= 0) report_chunk(op, entries + 3 * reporting);
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
