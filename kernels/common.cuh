@@ -472,23 +472,39 @@ struct Tally : ScalarTally<T> {};
 CUPY_AMP_COUNT(single_count_equal, "eq", "f32", "add.rn.f32")
 CUPY_AMP_COUNT(single_count_below, "lt", "f32", "add.rn.f32")
 
+__device__ __forceinline__ u32 single_abs(u32 a) {
+    u32 r;
+    asm("abs.f32 %0, %1;" : "=r"(r) : "r"(a));
+    return r;
+}
+
 __device__ __forceinline__ u32 single_max(u32 a, u32 b) {
     u32 r;
     asm("max.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 
-// float32: the largest magnitude and the counts kept as float32 values (exact below 2**24), settled per chunk.
+__device__ __forceinline__ u32 single_min(u32 a, u32 b) {
+    u32 r;
+    asm("min.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// float32: the largest magnitude on the float pipe. Zeros and subnormals are rare, so a vector's smallest
+// magnitude decides whether they are counted at all (as float32 values, exact below 2**24, settled per chunk).
 template <>
 struct Tally<Single> : ScalarTally<Single> {
+    static constexpr u32 kMinNormal = 0x00800000u;
     u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // float32 bits; small: below 2**-126, zeros too
     __device__ __forceinline__ void finite(const Vector<Single>& v) {
+        const u32 a = single_abs(v.raw.x), b = single_abs(v.raw.y), c = single_abs(v.raw.z), d = single_abs(v.raw.w);
+        largest_finite = single_max(largest_finite, single_max(single_max(a, b), single_max(c, d)));
+        if (single_min(single_min(a, b), single_min(c, d)) >= kMinNormal) return;  // magnitudes order as bits
+        const u32 lanes[4] = {a, b, c, d};
 #pragma unroll
         for (int lane = 0; lane < 4; ++lane) {
-            const u32 magnitude = v.lanes[lane] & 0x7fffffffu;
-            largest_finite = single_max(largest_finite, magnitude);
-            zero_lanes = single_count_equal(zero_lanes, magnitude, 0u);
-            small_lanes = single_count_below(small_lanes, magnitude, kMinNormal);
+            zero_lanes = single_count_equal(zero_lanes, lanes[lane], 0u);
+            small_lanes = single_count_below(small_lanes, lanes[lane], kMinNormal);
         }
     }
     __device__ __forceinline__ void settle() {
@@ -503,15 +519,20 @@ struct Tally<Single> : ScalarTally<Single> {
         largest = largest > largest_finite ? largest : largest_finite;
         largest_finite = 0;
     }
-    static constexpr u32 kMinNormal = 0x00800000u;
 };
 
 #if __CUDA_ARCH__ >= 800
-// float16, two lanes per 32-bit word, on the half2 pipe: the counts are kept as float16 values, exact up to
-// 2048, and settled after each chunk, of which a thread's share is far less.
+// float16, two lanes per 32-bit word, on the half2 pipe, as float32 above; the counts are kept as float16
+// values, exact up to 2048, and settled after each chunk, of which a thread's share is far less.
 static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
 CUPY_AMP_COUNT(half2_count_equal, "eq", "f16x2", "add.rn.f16x2")
 CUPY_AMP_COUNT(half2_count_below, "lt", "f16x2", "add.rn.f16x2")
+
+__device__ __forceinline__ u32 half2_abs(u32 a) {
+    u32 r;
+    asm("abs.f16x2 %0, %1;" : "=r"(r) : "r"(a));
+    return r;
+}
 
 __device__ __forceinline__ u32 half2_max(u32 a, u32 b) {
     u32 r;
@@ -519,17 +540,31 @@ __device__ __forceinline__ u32 half2_max(u32 a, u32 b) {
     return r;
 }
 
+__device__ __forceinline__ u32 half2_min(u32 a, u32 b) {
+    u32 r;
+    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+
+// Whether either lane of `a` is below the same lane of `b`.
+__device__ __forceinline__ bool half2_any_below(u32 a, u32 b) {
+    u32 hit;
+    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(hit) : "r"(a), "r"(b));
+    return hit != 0;
+}
+
 template <>
 struct Tally<Half> : ScalarTally<Half> {
     u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // f16x2 bits; small: below 2**-14, zeros too
     __device__ __forceinline__ void finite(const Vector<Half>& v) {
-        const u32 words[4] = {v.raw.x, v.raw.y, v.raw.z, v.raw.w};
+        const u32 a = half2_abs(v.raw.x), b = half2_abs(v.raw.y), c = half2_abs(v.raw.z), d = half2_abs(v.raw.w);
+        largest_finite = half2_max(largest_finite, half2_max(half2_max(a, b), half2_max(c, d)));
+        if (!half2_any_below(half2_min(half2_min(a, b), half2_min(c, d)), 0x04000400u)) return;
+        const u32 words[4] = {a, b, c, d};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const u32 magnitudes = words[k] & 0x7fff7fffu;
-            largest_finite = half2_max(largest_finite, magnitudes);
-            zero_lanes = half2_count_equal(zero_lanes, magnitudes, 0u);
-            small_lanes = half2_count_below(small_lanes, magnitudes, 0x04000400u);
+            zero_lanes = half2_count_equal(zero_lanes, words[k], 0u);
+            small_lanes = half2_count_below(small_lanes, words[k], 0x04000400u);
         }
     }
     static __device__ __forceinline__ u32 lanes_sum(u32 w) {

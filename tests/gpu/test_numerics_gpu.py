@@ -53,12 +53,12 @@ def test_the_gpu_report_equals_numpys_and_the_bits(face: type, dtype: Any) -> No
 def test_a_finite_gradient_of_zeros_and_subnormals_is_counted_on_the_gpu(dtype: Any) -> None:
     """Every vector finite (the float-pipe counts), the largest magnitude a subnormal, both signs of zero.
 
-    600 chunks: more than the grid has blocks, so a block adds several chunks of the tensor up before its
-    report goes out.
+    2,200 chunks: more than twice the blocks of the grid (8 per multiprocessor), so a block adds several
+    chunks of the tensor up before its report goes out.
     """
     unsigned, magnitude_mask, _, min_normal = MASKS[np.dtype(dtype)]
     rng = np.random.default_rng(8)
-    size = 600 * CHUNK_BYTES // np.dtype(dtype).itemsize + 3
+    size = 2200 * CHUNK_BYTES // np.dtype(dtype).itemsize + 3
     bits = rng.integers(0, int(min_normal), size=size, dtype=np.uint64).astype(unsigned)
     bits[rng.random(size) < 0.3] = 0
     bits[rng.random(size) < 0.5] |= unsigned(magnitude_mask + 1)
