@@ -508,6 +508,7 @@ struct Tally<Single> : ScalarTally<Single> {
         }
     }
     __device__ __forceinline__ void settle() {
+        if (small_lanes == 0) return;  // zeros are counted among the small lanes too
         const u32 zero = (u32)__uint_as_float(zero_lanes), small = (u32)__uint_as_float(small_lanes);
         zeros += zero;
         subnormals += small - zero;
@@ -571,6 +572,7 @@ struct Tally<Half> : ScalarTally<Half> {
         return (u32)f16_to_f32((u16)(w & 0xffffu)) + (u32)f16_to_f32((u16)(w >> 16));
     }
     __device__ __forceinline__ void settle() {
+        if (small_lanes == 0) return;  // zeros are counted among the small lanes too
         const u32 zero = lanes_sum(zero_lanes), small = lanes_sum(small_lanes);
         zeros += zero;
         subnormals += small - zero;

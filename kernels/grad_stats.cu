@@ -16,17 +16,21 @@ __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
     u64 largest, zero_count, subnormal_count;
     op.tally.take(largest, zero_count, subnormal_count);
+    unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
     word amax = (word)largest;
-    u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
     for (int offset = 16; offset > 0; offset /= 2) {
         const word other = __shfl_down_sync(0xffffffffu, amax, offset);
         amax = other > amax ? other : amax;
+    }
+    // Most warps' maximum is below the entry's already: a read (of a value that only grows) spares the atomic.
+    if (threadIdx.x % 32 == 0 && amax != 0 && amax > __ldcg(counts)) atomicMax(counts, (unsigned long long)amax);
+    u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
+    if (!__any_sync(0xffffffffu, (zeros | subnormals) != 0)) return;  // zeros and subnormals are rare
+    for (int offset = 16; offset > 0; offset /= 2) {
         zeros += __shfl_down_sync(0xffffffffu, zeros, offset);
         subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
     }
     if (threadIdx.x % 32 == 0) {
-        unsigned long long* counts = reinterpret_cast<unsigned long long*>(entry);
-        if (amax != 0) atomicMax(counts, (unsigned long long)amax);
         if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
         if (subnormals != 0) atomicAdd(counts + 2, (unsigned long long)subnormals);
     }
