@@ -22,8 +22,8 @@ __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
         const word other = __shfl_down_sync(0xffffffffu, amax, offset);
         amax = other > amax ? other : amax;
     }
-    // Most warps' maximum is below the entry's already: a read (of a value that only grows) spares the atomic.
-    if (threadIdx.x % 32 == 0 && amax != 0 && amax > __ldcg(counts)) atomicMax(counts, (unsigned long long)amax);
+    // An atomic whose result is not used does not hold the warp up (reading the entry first, to spare it, did).
+    if (threadIdx.x % 32 == 0 && amax != 0) atomicMax(counts, (unsigned long long)amax);
     u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
     if (!__any_sync(0xffffffffu, (zeros | subnormals) != 0)) return;  // zeros and subnormals are rare
     for (int offset = 16; offset > 0; offset /= 2) {
