@@ -430,7 +430,7 @@ struct Multiply {
 // One thread's numerics report of the elements it walked in a chunk: the largest finite magnitude (in the
 // type's bits, whose order is the magnitudes' order), the count of zeros and of subnormals. one() takes any
 // element, on the integer pipe; finite() takes a vector known to hold no inf/nan. The walk already keeps
-// the integer pipe busy, so Tally<Half> and Tally<Single> below count finite vectors on the float pipes.
+// the integer pipe busy, so float32 and float16 (sm_80 and later) count finite vectors on the float pipes.
 template <class T>
 struct ScalarTally {
     typedef typename T::bits bits;
@@ -459,134 +459,101 @@ struct ScalarTally {
 template <class T>
 struct Tally : ScalarTally<T> {};
 
-// count + (1 where `a` compares to `b`, else 0), lane by lane, in the float type of PTX `TYPE`; no .ftz,
-// so subnormals compare as they are (CuPy compiles with -ftz=true, which inline PTX escapes).
-#define CUPY_AMP_COUNT(NAME, CMP, TYPE, ADD)                                                             \
-    __device__ __forceinline__ u32 NAME(u32 count, u32 a, u32 b) {                                       \
-        u32 r;                                                                                           \
-        asm("{ .reg .b32 hit;\n\t set." CMP "." TYPE "." TYPE " hit, %1, %2;\n\t " ADD " %0, %3, hit; }" \
-            : "=r"(r)                                                                                    \
-            : "r"(a), "r"(b), "r"(count));                                                               \
-        return r;                                                                                        \
+// One 32-bit word of PTX on 32-bit values: `r = OP a` or `r = a OP b`. No .ftz anywhere, so subnormals are
+// compared as they are (CuPy compiles with -ftz=true, which inline PTX escapes).
+#define CUPY_AMP_WORD_UNARY(NAME, PTX)                  \
+    static __device__ __forceinline__ u32 NAME(u32 a) { \
+        u32 r;                                          \
+        asm(PTX " %0, %1;" : "=r"(r) : "r"(a));         \
+        return r;                                       \
     }
-CUPY_AMP_COUNT(single_count_equal, "eq", "f32", "add.rn.f32")
-CUPY_AMP_COUNT(single_count_below, "lt", "f32", "add.rn.f32")
-
-__device__ __forceinline__ u32 single_abs(u32 a) {
-    u32 r;
-    asm("abs.f32 %0, %1;" : "=r"(r) : "r"(a));
-    return r;
-}
-
-__device__ __forceinline__ u32 single_max(u32 a, u32 b) {
-    u32 r;
-    asm("max.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ u32 single_min(u32 a, u32 b) {
-    u32 r;
-    asm("min.f32 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-// float32: the largest magnitude on the float pipe. Zeros and subnormals are rare, so a vector's smallest
-// magnitude decides whether they are counted at all (as float32 values, exact below 2**24, settled per chunk).
-template <>
-struct Tally<Single> : ScalarTally<Single> {
-    static constexpr u32 kMinNormal = 0x00800000u;
-    u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // float32 bits; small: below 2**-126, zeros too
-    __device__ __forceinline__ void finite(const Vector<Single>& v) {
-        const u32 a = single_abs(v.raw.x), b = single_abs(v.raw.y), c = single_abs(v.raw.z), d = single_abs(v.raw.w);
-        largest_finite = single_max(largest_finite, single_max(single_max(a, b), single_max(c, d)));
-        if (single_min(single_min(a, b), single_min(c, d)) >= kMinNormal) return;  // magnitudes order as bits
-        const u32 lanes[4] = {a, b, c, d};
-#pragma unroll
-        for (int lane = 0; lane < 4; ++lane) {
-            zero_lanes = single_count_equal(zero_lanes, lanes[lane], 0u);
-            small_lanes = single_count_below(small_lanes, lanes[lane], kMinNormal);
-        }
+#define CUPY_AMP_WORD_BINARY(NAME, PTX)                        \
+    static __device__ __forceinline__ u32 NAME(u32 a, u32 b) { \
+        u32 r;                                                 \
+        asm(PTX " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));    \
+        return r;                                              \
     }
-    __device__ __forceinline__ void settle() {
-        if (small_lanes == 0) return;  // zeros are counted among the small lanes too
-        const u32 zero = (u32)__uint_as_float(zero_lanes), small = (u32)__uint_as_float(small_lanes);
-        zeros += zero;
-        subnormals += small - zero;
-        zero_lanes = small_lanes = 0;
+// count + (1 where `a` compares to `b`, else 0), lane by lane, in the float type TYPE.
+#define CUPY_AMP_WORD_COUNT(NAME, CMP, TYPE)                                                                     \
+    static __device__ __forceinline__ u32 NAME(u32 count, u32 a, u32 b) {                                        \
+        u32 r;                                                                                                   \
+        asm("{ .reg .b32 hit;\n\t set." CMP "." TYPE "." TYPE " hit, %1, %2;\n\t add.rn." TYPE " %0, %3, hit; }" \
+            : "=r"(r)                                                                                            \
+            : "r"(a), "r"(b), "r"(count));                                                                       \
+        return r;                                                                                                \
     }
-    __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
-        settle();
-        ScalarTally<Single>::take(largest, zero_count, subnormal_count);
-        largest = largest > largest_finite ? largest : largest_finite;
-        largest_finite = 0;
-    }
-};
 
-#if __CUDA_ARCH__ >= 800
-// float16, two lanes per 32-bit word, on the half2 pipe, as float32 above; the counts are kept as float16
-// values, exact up to 2048, and settled after each chunk, of which a thread's share is far less.
-static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
-CUPY_AMP_COUNT(half2_count_equal, "eq", "f16x2", "add.rn.f16x2")
-CUPY_AMP_COUNT(half2_count_below, "lt", "f16x2", "add.rn.f16x2")
-
-__device__ __forceinline__ u32 half2_abs(u32 a) {
-    u32 r;
-    asm("abs.f16x2 %0, %1;" : "=r"(r) : "r"(a));
-    return r;
-}
-
-__device__ __forceinline__ u32 half2_max(u32 a, u32 b) {
-    u32 r;
-    asm("max.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-__device__ __forceinline__ u32 half2_min(u32 a, u32 b) {
-    u32 r;
-    asm("min.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-
-// Whether either lane of `a` is below the same lane of `b`.
-__device__ __forceinline__ bool half2_any_below(u32 a, u32 b) {
-    u32 hit;
-    asm("set.lt.u32.f16x2 %0, %1, %2;" : "=r"(hit) : "r"(a), "r"(b));
-    return hit != 0;
-}
-
-template <>
-struct Tally<Half> : ScalarTally<Half> {
-    u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // f16x2 bits; small: below 2**-14, zeros too
-    __device__ __forceinline__ void finite(const Vector<Half>& v) {
-        const u32 a = half2_abs(v.raw.x), b = half2_abs(v.raw.y), c = half2_abs(v.raw.z), d = half2_abs(v.raw.w);
-        largest_finite = half2_max(largest_finite, half2_max(half2_max(a, b), half2_max(c, d)));
-        if (!half2_any_below(half2_min(half2_min(a, b), half2_min(c, d)), 0x04000400u)) return;
+// A tally of finite vectors on the float pipes, for a type whose 32-bit words those pipes take as they are
+// (`Lanes`: one float32 or two float16 values per word). The largest magnitude is kept per lane; zeros and
+// subnormals are rare, so a vector's smallest magnitude decides whether they are counted at all, as float
+// values per lane (exact far beyond a thread's share of one chunk), added to the integers per chunk.
+template <class T, class Lanes>
+struct FloatTally : ScalarTally<T> {
+    u32 largest_finite = 0, zero_lanes = 0, small_lanes = 0;  // small: below the normal range, zeros too
+    __device__ __forceinline__ void finite(const Vector<T>& v) {
+        const u32 a = Lanes::abs(v.raw.x), b = Lanes::abs(v.raw.y), c = Lanes::abs(v.raw.z), d = Lanes::abs(v.raw.w);
+        largest_finite = Lanes::max(largest_finite, Lanes::max(Lanes::max(a, b), Lanes::max(c, d)));
+        if (!Lanes::any_below(Lanes::min(Lanes::min(a, b), Lanes::min(c, d)), Lanes::kMinNormal)) return;
         const u32 words[4] = {a, b, c, d};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            zero_lanes = half2_count_equal(zero_lanes, words[k], 0u);
-            small_lanes = half2_count_below(small_lanes, words[k], 0x04000400u);
+            zero_lanes = Lanes::count_equal(zero_lanes, words[k], 0u);
+            small_lanes = Lanes::count_below(small_lanes, words[k], Lanes::kMinNormal);
         }
-    }
-    static __device__ __forceinline__ u32 lanes_sum(u32 w) {
-        return (u32)f16_to_f32((u16)(w & 0xffffu)) + (u32)f16_to_f32((u16)(w >> 16));
     }
     __device__ __forceinline__ void settle() {
         if (small_lanes == 0) return;  // zeros are counted among the small lanes too
-        const u32 zero = lanes_sum(zero_lanes), small = lanes_sum(small_lanes);
-        zeros += zero;
-        subnormals += small - zero;
+        const u32 zero = Lanes::total(zero_lanes), small = Lanes::total(small_lanes);
+        this->zeros += zero;
+        this->subnormals += small - zero;
         zero_lanes = small_lanes = 0;
     }
     __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {
         settle();
-        ScalarTally<Half>::take(largest, zero_count, subnormal_count);
-        const u64 low = largest_finite & 0xffffu, high = largest_finite >> 16;
-        const u64 packed = low > high ? low : high;
-        largest = largest > packed ? largest : packed;
+        ScalarTally<T>::take(largest, zero_count, subnormal_count);
+        const u64 lanes = Lanes::largest(largest_finite);
+        largest = largest > lanes ? largest : lanes;
         largest_finite = 0;
     }
 };
+
+struct SingleLanes {
+    static constexpr u32 kMinNormal = 0x00800000u;
+    CUPY_AMP_WORD_UNARY(abs, "abs.f32")
+    CUPY_AMP_WORD_BINARY(max, "max.f32")
+    CUPY_AMP_WORD_BINARY(min, "min.f32")
+    CUPY_AMP_WORD_COUNT(count_equal, "eq", "f32")
+    CUPY_AMP_WORD_COUNT(count_below, "lt", "f32")
+    static __device__ __forceinline__ bool any_below(u32 a, u32 b) { return a < b; }  // magnitudes order as bits
+    static __device__ __forceinline__ u32 total(u32 count) { return (u32)__uint_as_float(count); }
+    static __device__ __forceinline__ u64 largest(u32 word) { return word; }
+};
+
+template <>
+struct Tally<Single> : FloatTally<Single, SingleLanes> {};
+
+#if __CUDA_ARCH__ >= 800
+static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
+
+struct HalfLanes {
+    static constexpr u32 kMinNormal = 0x04000400u;  // 2**-14 in both lanes
+    CUPY_AMP_WORD_UNARY(abs, "abs.f16x2")
+    CUPY_AMP_WORD_BINARY(max, "max.f16x2")
+    CUPY_AMP_WORD_BINARY(min, "min.f16x2")
+    CUPY_AMP_WORD_BINARY(below, "set.lt.u32.f16x2")
+    CUPY_AMP_WORD_COUNT(count_equal, "eq", "f16x2")
+    CUPY_AMP_WORD_COUNT(count_below, "lt", "f16x2")
+    static __device__ __forceinline__ bool any_below(u32 a, u32 b) { return below(a, b) != 0; }
+    static __device__ __forceinline__ u32 total(u32 count) {
+        return (u32)f16_to_f32((u16)(count & 0xffffu)) + (u32)f16_to_f32((u16)(count >> 16));
+    }
+    static __device__ __forceinline__ u64 largest(u32 word) {
+        return (word & 0xffffu) > (word >> 16) ? (word & 0xffffu) : (word >> 16);
+    }
+};
+
+template <>
+struct Tally<Half> : FloatTally<Half, HalfLanes> {};
 #endif
 
 // SumSquares: read only, adding each element's square in float64 to this thread's sum, in walk order. With
