@@ -590,6 +590,12 @@ struct SumSquares {
     }
 };
 
+// Bring a block's next chunk record into L1 while it walks this one: many small tensors make the walk
+// short, and a record's trip from L2 would otherwise come first in each.
+__device__ __forceinline__ void prefetch_chunk(const Chunk* next) {
+    if (threadIdx.x == 0) asm volatile("prefetch.global.L1 [%0];" ::"l"(next));
+}
+
 // The one walk: elements [first, last) of a dense tensor starting at `base`, as a scalar head up to
 // 16-byte alignment, a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache
 // hints: every byte is read, and written, once), and a scalar tail. Returns true if any was inf/nan.
