@@ -590,25 +590,6 @@ struct SumSquares {
     }
 };
 
-// Start a block's next chunk on its way while the block walks this one: many small tensors make the walk
-// short, and the record's trip from L2, then the data's from memory, would otherwise come first in each.
-// On sm_90 one thread reads the next record and asks for its bytes in L2 (a bulk prefetch, 16-byte
-// granules: the rounding stays inside the allocation, whose ends are 16-byte aligned); elsewhere only the
-// record comes to L1.
-template <class T>
-__device__ __forceinline__ void prefetch_chunk(const Chunk* next) {
-    if (threadIdx.x != 0) return;
-#if __CUDA_ARCH__ >= 900
-    const Chunk chunk = *next;
-    if (chunk.layout >= 0) return;  // strided: its bytes are not one range
-    const u64 first = chunk.address & ~15ull;
-    const u64 end = (chunk.address + (u64)chunk.last * sizeof(typename T::bits) + 15u) & ~15ull;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first), "r"((u32)(end - first)) : "memory");
-#else
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(next));
-#endif
-}
-
 // The one walk: elements [first, last) of a dense tensor starting at `base`, as a scalar head up to
 // 16-byte alignment, a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache
 // hints: every byte is read, and written, once), and a scalar tail. Returns true if any was inf/nan.

@@ -47,7 +47,6 @@ __device__ void gradient_stats(const StatsArgs& args) {
     int reporting = -1;  // the tensor whose report the block is keeping: a block's chunks of one tensor add up first
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
-        if (c + gridDim.x < args.chunk_count) prefetch_chunk<Type>(chunks + c + gridDim.x);
         if constexpr (kReport) {
             if (chunk.tensor != reporting && reporting >= 0) report_chunk(op, entries + 3 * reporting);
             reporting = chunk.tensor;
