@@ -267,3 +267,12 @@ def sums_after_failure(vote: OverflowVote, error: BaseException) -> None:
         logger.error("cupy-amp: the statistics all-reduce after a failed check() failed too: %s", vote_error)
         vote_error.__context__ = None
         error.__context__ = vote_error
+
+
+def impossible_answers(count: int) -> CommunicatorError:
+    """The error for ``count`` all-reduce answers that a state counted as impossible (each step was skipped)."""
+    return CommunicatorError(
+        f"{count} all-reduce answer(s) were impossible: no maximum of the ranks' 0/1 flags (unscale_and_check), "
+        "or no count of ranks with inf/nan, or no sum of the ranks' sums of squares (check). The communicator did "
+        "not run the expected reduction; those steps counted as overflows."
+    )

@@ -1,16 +1,24 @@
-"""What both scaler faces offer in the same words: the guard scaler and the one-call optimizer step."""
+"""What both scaler faces do in the same words: scale the loss, check, checkpoint, the report, the guard, step()."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from typing import Any, NamedTuple, TypeVar
 
-from cupy_amp.errors import ScalerProtocolError
-from cupy_amp.statistics import GradientNumerics, GradientStats
+from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.distributed import OverflowVote, require_sums, sums_after_failure
+from cupy_amp.errors import ConfigError, ScalerProtocolError
+from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
+from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
+from cupy_amp.state import State
+from cupy_amp.statistics import GradientNumerics, GradientStats, expect_max_norm
+from cupy_amp.step import INSPECTED, Ballot, StateSet, Step, check_call
 
 __all__ = ["Face", "NumericsSource"]
 
 F = TypeVar("F", bound="Face")
+
+_ONE_DEVICE = "check() takes the gradients of one device (its norm is summed on that device): use one scaler per device"
 
 
 class NumericsSource(NamedTuple):
@@ -26,12 +34,42 @@ class NumericsSource(NamedTuple):
 
 
 class Face:
-    """The calls :class:`~cupy_amp.GradScaler` and :class:`~cupy_amp.SyncFreeGradScaler` share word for word."""
+    """The calls :class:`~cupy_amp.GradScaler` and :class:`~cupy_amp.SyncFreeGradScaler` share word for word.
+
+    Each face sets ``_step``, ``_vote`` and ``_cache`` and supplies the hooks below; what differs between
+    them is where the verdict is read (the synchronous face reads it after each call) and what the host keeps.
+    """
 
     _numerics_source: NumericsSource | None = None  # the last check(report=True), replaced in one assignment
+    _step: Step
+    _vote: OverflowVote | None
+    _cache: CallCache
 
     def __init__(self, init_scale: float, *, min_scale: float | None, max_scale: float | None) -> None:
         raise NotImplementedError  # each face has its own; declared for guard()
+
+    @property
+    def _lane(self) -> StateSet:
+        """The states the calls use now."""
+        raise NotImplementedError
+
+    def _place(self, lane: StateSet, backend: Any, device: int) -> State:
+        """Return ``lane``'s state for arrays of ``backend`` on ``device``, placing one there on first use."""
+        raise NotImplementedError
+
+    def _settle(
+        self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None
+    ) -> tuple[int, ...] | None:
+        """What follows a queued gradient call: the synchronous face reads the verdict; this one, nothing."""
+        return culprits
+
+    def _host_finite(self, lane: StateSet) -> Any:
+        """The verdict array ``check()`` hands out, when the host keeps it (else the record's own)."""
+        return None
+
+    def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
+        """(configuration, state, enabled, the last step's overflow, this rank's own), for ``checkpoint()``."""
+        raise NotImplementedError
 
     @classmethod
     def guard(cls: type[F]) -> F:
@@ -44,8 +82,127 @@ class Face:
         """
         return cls(init_scale=1.0, min_scale=1.0, max_scale=1.0)
 
+    def scale_loss(self, loss: Any) -> None:
+        """Multiply ``loss`` by the scale in place, allocating no new array; this opens a step.
+
+        Call it before the backward pass, which must start from the scaled
+        loss: the gradient calls of a step refuse to run without it (unless
+        the scale is fixed at 1: a guard, or a disabled ``GradScaler``).
+        float32 losses are multiplied in float32, float64 losses in float64; a
+        float16 loss is refused (times the scale it would be inf in float16;
+        compute the loss in float32, as PyTorch's ``scale()`` promotes it), on
+        every scaler, guards and disabled ones too, so that a loop does not
+        break when scaling is turned on. Call it once per loss (several times
+        per step with gradient accumulation). The argument is validated even
+        while disabled; disabled, nothing else happens. Never synchronizes the
+        device: on the GPU the kernel reads the scale where the state is.
+
+        Raises:
+            GradientTypeError: ``loss`` is not a NumPy/CuPy float32/64 array
+                (float16 and bfloat16 losses are refused), or (sync-free) not
+                of the kind of array the scaler's state is beside.
+            GradientValueError: ``loss`` is read-only, misaligned or repeats elements, or
+                (sync-free) on a device other than the state's.
+            ScalerProtocolError: The previous step's gradients were unscaled but
+                ``update()`` was not called.
+        """
+        backend, array = parse_loss(loss)
+
+        def scale() -> None:
+            self._step.refuse_scale_loss()
+            lane = self._lane
+            state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
+            self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
+            if state is not None:
+                state.scale_loss(array)
+
+        self._step.run(scale)
+
     def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
-        raise NotImplementedError
+        """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
+
+        The read-only alternative to ``unscale_and_check`` for the fused
+        optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
+        their update from the returned record. It must be the step's only
+        gradient call, on one device; bfloat16 gradients are accepted. With CuPy
+        arrays: one fused kernel launch per dtype, then one small launch that
+        sums the blocks' sums in a fixed order and computes, on the device, the
+        L2 norm of the unscaled gradients and ``min(1, max_norm / (norm +
+        1e-6))``. ``norm`` and ``clip_coefficient`` stay on the device (reading
+        one waits). ``GradScaler`` then reads the verdict (one synchronizing
+        read, as ``unscale_and_check`` reads its flag) and ``finite`` is a host
+        bool array; ``SyncFreeGradScaler`` never synchronizes, and ``finite`` is
+        its flag on the device.
+
+        With a communicator, one SUM all-reduce carries the pair (ranks with
+        inf/nan, sum of squares): every rank gets the global norm (of sharded
+        gradients too) and the same verdict, and a rank's own overflow always
+        counts. Every rank must call ``check()`` in the same steps; a call that
+        fails anywhere still joins the all-reduce, as an overflowed rank. An
+        impossible answer counts as an overflow and raises ``CommunicatorError``
+        (``SyncFreeGradScaler``: at the next call that reads the state). A
+        disabled ``GradScaler`` computes the statistics (all-reduce included)
+        with no scale (inverse 1) and records nothing. A call that fails leaves
+        every statistics record of the scaler saying "skip".
+
+        With ``report=True`` the same read also takes a numerics report of
+        this rank's gradients (the largest finite magnitude, the zeros and the
+        subnormals of each), for :meth:`gradient_numerics`; the norm and the
+        verdict are the same bits as without it.
+
+        Raises:
+            ConfigError: ``max_norm`` is not None or a positive float32 number, ``report`` is not
+                a bool, or the communicator cannot sum (no ``reduce_sum``).
+            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
+                gradients were already checked or unscaled in this step; nothing is touched.
+            GradientValueError: Gradients on several devices.
+            CommunicatorError: The all-reduce failed or (``GradScaler``) answered an impossible count.
+            As ``unscale_and_check`` for other bad gradients.
+        """
+        limit = expect_max_norm(max_norm)
+        reporting = expect_bool(ConfigError, "report", report)
+
+        def check() -> GradientStats:
+            lane, found = self._lane, None
+
+            def parse() -> tuple[Call, State]:
+                if self._vote is not None:
+                    require_sums(self._vote)
+                call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE, in_place=False)
+                return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+
+            def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
+                nonlocal found
+                found = self._settle(lane, state, call, check_call(call, state, ballot, limit, reporting))
+                return found
+
+            call, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
+            if reporting:  # with the culprits where the host knows them (a disabled GradScaler's records keep none)
+                nonfinite = None if found is None else tuple(call.labels[position] for position in found)
+                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state, nonfinite)
+            result: GradientStats = state.stats.result
+            return result.for_step(self._step, self._host_finite(lane))
+
+        return self._step.run(check)
+
+    def checkpoint(self) -> GradScalerCheckpoint:
+        """Return the complete state, to resume bit for bit; either scaler loads it.
+
+        ``GradScaler``'s never synchronizes; ``SyncFreeGradScaler``'s reads its
+        state (on the GPU, synchronizes).
+
+        Raises:
+            ScalerProtocolError: A step is open; take checkpoints after ``update()``.
+        """
+
+        def capture() -> GradScalerCheckpoint:
+            self._step.require_idle("checkpoint() cannot capture a resumable state")
+            config, state, enabled, overflow, local = self._resumable()
+            return GradScalerCheckpoint.capture(
+                config, state, enabled=enabled, found_overflow=overflow, found_overflow_local=local
+            )
+
+        return self._step.run(capture)
 
     def nonfinite_gradients(self) -> list[Hashable]:
         raise NotImplementedError
@@ -67,7 +224,7 @@ class Face:
         def read() -> list[GradientNumerics]:
             # Under the scaler's lock: a check() of the next step in another thread cannot replace the
             # state's report between the test below and the read (rows of one step under another's labels).
-            source, number = self._numerics_source, self._step.number  # type: ignore[attr-defined]
+            source, number = self._numerics_source, self._step.number
             if source is None or source.number != number:
                 raise ScalerProtocolError(
                     "gradient_numerics() reads the report of this step's check(gradients, report=True) (after "
@@ -81,7 +238,7 @@ class Face:
                 for label, row in zip(labels, rows)
             ]
 
-        return self._step.run(read)  # type: ignore[attr-defined,no-any-return]
+        return self._step.run(read)
 
     def step(
         self, optimizer: Any, gradients: Any, *, max_norm: float | None = None, report: bool = False

@@ -207,14 +207,15 @@ def parse_loss(loss: Any) -> tuple[Backend, Any]:
 
 
 def parse_gradients(
-    gradients: Any, cache: CallCache | None = None, *, one_device: bool = False, in_place: bool = True
+    gradients: Any, cache: CallCache | None = None, *, one_device: str | None = None, in_place: bool = True
 ) -> Call:
     """Validate the ``gradients`` argument of ``unscale_and_check`` and prepare its run.
 
     Accepts an iterable of arrays (``None`` entries skipped, their positions
     still counted), a mapping name -> array, or a :class:`GradientSet`. A call
     whose arrays cannot change layout in place is looked up in, and stored
-    into, ``cache``; every other call is validated in full.
+    into, ``cache``; every other call is validated in full. ``one_device``,
+    when given, is the reason a call must have all its arrays on one device.
 
     Raises:
         GradientTypeError: Not an iterable/mapping, an entry that is not a
@@ -234,11 +235,8 @@ def parse_gradients(
             "unscale_and_check cannot take bfloat16 gradients (they are never unscaled in place): use "
             "check(gradients), which only reads them, with a guard scaler (GradScaler.guard())."
         )
-    if one_device and len(call.devices) > 1:
-        raise GradientValueError(
-            f"With a communicator, every gradient of a call must be on one device (the communicator's); "
-            f"got devices {list(call.devices)}."
-        )
+    if one_device is not None and len(call.devices) > 1:
+        raise GradientValueError(f"{one_device}; got devices {list(call.devices)}.")
     if call.backend is not None and type(gradients) is not GradientSet and call.backend.capturing():
         raise ScalerProtocolError(
             "A CUDA graph capture needs the gradients as the GradientSet from scaler.prepare(gradients): the set "

@@ -7,14 +7,13 @@ from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
-from cupy_amp.errors import CommunicatorError, ConfigError, GradientValueError
-from cupy_amp.face import Face, NumericsSource
-from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
+from cupy_amp.distributed import OverflowVote, impossible_answers, overflow_vote_for, vote_after_failure
+from cupy_amp.errors import ConfigError
+from cupy_amp.face import Face
+from cupy_amp.gradients import Call, CallCache, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.statistics import GradientStats, expect_max_norm
-from cupy_amp.step import INSPECTED, UNSCALED, Ballot, StateSet, Step, check_call, unscale_call
+from cupy_amp.step import INSPECTED, UNSCALED, Ballot, StateSet, Step, unscale_call
 
 __all__ = ["GradScaler"]
 
@@ -27,6 +26,8 @@ class _Mirror(NamedTuple):
     enabled: bool
     step: int = 0  # the step (Step.number) whose update() made this state
 
+
+_ONE_DEVICE = "With a communicator, every gradient of a call must be on one device (the communicator's)"
 
 # A disabled scaler's guard: scale 1 that never moves, and steps that count for nothing.
 _GUARD = ScalerConfig(min_scale=1.0, max_scale=1.0)
@@ -140,39 +141,6 @@ class GradScaler(Face):
         mirror = self._mirror
         return mirror.state.scale if mirror.enabled else 1.0
 
-    def scale_loss(self, loss: Any) -> None:
-        """Multiply ``loss`` by the scale in place, allocating no new array; this opens a step.
-
-        Call it before the backward pass, which must start from the scaled
-        loss: the gradient calls of a step refuse to run without it (unless
-        the scale is fixed at 1: a guard, or while disabled). float32 losses
-        are multiplied in float32, float64 losses in float64; a float16 loss
-        is refused (times the scale it would be inf in float16; compute the
-        loss in float32, as PyTorch's ``scale()`` promotes it), on every
-        scaler, guards and disabled ones too, so that a loop does not break
-        when scaling is turned on. Call it once per loss (several times per
-        step with gradient accumulation). The argument is validated even while
-        disabled; disabled, nothing else happens. Never synchronizes the device.
-
-        Raises:
-            GradientTypeError: ``loss`` is not a NumPy/CuPy float32/64 array
-                (float16 and bfloat16 losses are refused).
-            GradientValueError: ``loss`` is read-only, misaligned or repeats elements.
-            ScalerProtocolError: The previous step's gradients were unscaled but
-                ``update()`` was not called.
-        """
-        backend, array = parse_loss(loss)
-
-        def scale() -> None:
-            self._step.refuse_scale_loss()
-            lane = self._lane
-            state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
-            self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
-            if state is not None:
-                state.scale_loss(array)
-
-        self._step.run(scale)
-
     def unscale_and_check(self, gradients: Any) -> bool:
         """Unscale every gradient in place and return True if all were finite.
 
@@ -207,7 +175,7 @@ class GradScaler(Face):
         """
 
         def parse() -> tuple[Call, State]:
-            call = parse_gradients(gradients, self._cache, one_device=self._vote is not None)
+            call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE if self._vote is not None else None)
             state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
             for device in call.devices[1:] if lane.counts else ():
                 self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
@@ -216,7 +184,7 @@ class GradScaler(Face):
         def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
             if lane.counts and len(call.devices) > 1:
                 return self._unscale_on_each_device(lane, call, ballot)
-            return self._read(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
+            return self._settle(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
 
         def unscale() -> bool:
             ballot = Ballot(self._vote if lane.counts else None)
@@ -225,75 +193,6 @@ class GradScaler(Face):
 
         lane = self._lane
         return self._step.run(unscale)
-
-    def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
-        """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
-
-        The read-only alternative to ``unscale_and_check`` for the fused
-        optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
-        their update from the returned record. With CuPy arrays: one fused
-        kernel launch per dtype, one small launch that sums the blocks' sums in
-        a fixed order and computes, on the device, the L2 norm of the unscaled
-        gradients and ``min(1, max_norm / (norm + 1e-6))``; then one
-        synchronizing read of the verdict, as ``unscale_and_check`` reads its
-        flag. ``norm`` and ``clip_coefficient`` stay on the device (reading one
-        waits); ``finite`` is a host bool array. It must be the step's only
-        gradient call, on one device; bfloat16 gradients are accepted.
-
-        With a communicator, one SUM all-reduce carries the pair (ranks with
-        inf/nan, sum of squares): every rank gets the global norm (of sharded
-        gradients too) and the same verdict, and a rank's own overflow always
-        counts. Every rank must call ``check()`` in the same steps; a call that
-        fails anywhere still joins the all-reduce, as an overflowed rank.
-        Disabled: the statistics (all-reduce included) are computed with no
-        scale (inverse 1), and the scaler records nothing. A call that fails
-        leaves every statistics record of the scaler saying "skip".
-
-        With ``report=True`` the same read also takes a numerics report of
-        this rank's gradients (the largest finite magnitude, the zeros and the
-        subnormals of each), for :meth:`gradient_numerics`; the norm and the
-        verdict are the same bits as without it.
-
-        Raises:
-            ConfigError: ``max_norm`` is not None or a positive float32 number, ``report`` is not
-                a bool, or the communicator cannot sum (no ``reduce_sum``).
-            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
-                gradients were already checked or unscaled in this step; nothing is touched.
-            GradientValueError: Gradients on several devices.
-            CommunicatorError: The all-reduce failed or answered an impossible count.
-            As ``unscale_and_check`` for other bad gradients.
-        """
-        limit = expect_max_norm(max_norm)
-        reporting = expect_bool(ConfigError, "report", report)
-
-        def parse() -> tuple[Call, State]:
-            if self._vote is not None:
-                require_sums(self._vote)
-            call = parse_gradients(gradients, self._cache, in_place=False)
-            if len(call.devices) > 1:
-                raise GradientValueError(
-                    "check() takes the gradients of one device (its norm is summed on that device); got "
-                    f"devices {list(call.devices)}. Use one scaler per device."
-                )
-            return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-
-        found: tuple[int, ...] = ()
-
-        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
-            nonlocal found
-            found = self._read(lane, state, call, check_call(call, state, ballot, limit, reporting))
-            return found
-
-        def check() -> GradientStats:
-            call, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
-            if reporting:  # with this call's culprits: a disabled scaler's records keep none
-                nonfinite = tuple(call.labels[position] for position in found)
-                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state, nonfinite)
-            result: GradientStats = state.stats.result
-            return result.for_step(self._step, lane.finite)  # the verdict as the host read it
-
-        lane = self._lane
-        return self._step.run(check)
 
     def _unscale_on_each_device(self, lane: StateSet, call: Call, ballot: Ballot) -> tuple[int, ...]:
         """Unscale a call whose gradients are on several devices (never with a communicator), then read each verdict.
@@ -307,9 +206,9 @@ class GradScaler(Face):
         for device in call.devices:
             part, state = call._replace(plan=tuple(g for g in call.plan if g.device == device)), lane.states[device]
             queued.append((part, state, unscale_call(part, state, ballot)))
-        return tuple(sorted(p for part, state, culprits in queued for p in self._read(lane, state, part, culprits)))
+        return tuple(sorted(p for part, state, culprits in queued for p in self._settle(lane, state, part, culprits)))
 
-    def _read(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
+    def _settle(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.
 
         Raises:
@@ -320,14 +219,13 @@ class GradScaler(Face):
         reported = self._bad_votes.get(id(state), 0)
         if verdict.bad_votes > reported:
             self._bad_votes[id(state)] = verdict.bad_votes
-            raise CommunicatorError(
-                "The all-reduce answered something impossible: not a maximum over the ranks' 0/1 flags "
-                "(unscale_and_check), or not a count of ranks with inf/nan or no sum of the ranks' sums of squares "
-                "(check). The communicator did not run the expected reduction; the step counts as an overflow."
-            )
+            raise impossible_answers(verdict.bad_votes - reported)
         if culprits is None:
             culprits = state.culprits(call.plan, verdict.epoch) if verdict.local else ()
         return culprits
+
+    def _host_finite(self, lane: StateSet) -> Any:
+        return lane.finite  # the verdict as the host read it
 
     def update(self) -> None:
         """End the step: back off after an overflow, grow after enough clean steps.
@@ -398,21 +296,9 @@ class GradScaler(Face):
         mirror = self._mirror
         return GradScalerStats.of(mirror.state, mirror.enabled, *self._scaling.verdict)
 
-    def checkpoint(self) -> GradScalerCheckpoint:
-        """Return the complete state, to resume bit for bit (never synchronizes).
-
-        Raises:
-            ScalerProtocolError: A step is open; take checkpoints after ``update()``.
-        """
-
-        def capture() -> GradScalerCheckpoint:
-            self._step.require_idle("checkpoint() cannot capture a resumable state")
-            mirror, (overflow, local) = self._mirror, self._scaling.verdict
-            return GradScalerCheckpoint.capture(
-                mirror.config, mirror.state, enabled=mirror.enabled, found_overflow=overflow, found_overflow_local=local
-            )
-
-        return self._step.run(capture)
+    def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
+        mirror = self._mirror
+        return mirror.config, mirror.state, mirror.enabled, *self._scaling.verdict
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's.

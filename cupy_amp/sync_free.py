@@ -9,16 +9,17 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, overflow_vote_for, require_sums, sums_after_failure, vote_after_failure
-from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
-from cupy_amp.face import Face, NumericsSource
-from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients, parse_loss
-from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state
+from cupy_amp.distributed import OverflowVote, impossible_answers, overflow_vote_for, vote_after_failure
+from cupy_amp.errors import ArgumentTypeError, ConfigError
+from cupy_amp.face import Face
+from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients
+from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.statistics import GradientStats, expect_max_norm
-from cupy_amp.step import INSPECTED, UNSCALED, Ballot, CallRecord, StateSet, Step, check_call, unscale_call, where
+from cupy_amp.step import INSPECTED, UNSCALED, Ballot, CallRecord, StateSet, Step, unscale_call, where
 
 __all__ = ["SyncFreeGradScaler"]
+
+_ONE_DEVICE = "A SyncFreeGradScaler works on one device (one scaler per device, with a communicator across them)"
 
 
 class SyncFreeGradScaler(Face):
@@ -86,9 +87,9 @@ class SyncFreeGradScaler(Face):
         gradient_set = gradients if type(gradients) is GradientSet else GradientSet(gradients)
 
         def prepare() -> None:
-            call = parse_gradients(gradient_set, one_device=True, in_place=False)  # for check() too
+            call = parse_gradients(gradient_set, one_device=_ONE_DEVICE, in_place=False)  # for check() too
             if call.backend is not None:
-                self._place(call.backend, call.devices[0]).prepare(call)
+                self._place(self._states, call.backend, call.devices[0]).prepare(call)
 
         self._step.run(prepare)
         return gradient_set
@@ -97,10 +98,13 @@ class SyncFreeGradScaler(Face):
     def _state(self) -> State:
         return self._states.all()[0]
 
-    def _place(self, backend: Any, device: int) -> State:
-        """Return the state for arrays of ``backend`` on ``device`` (placing it there on first use)."""
+    @property
+    def _lane(self) -> StateSet:
+        return self._states
+
+    def _place(self, lane: StateSet, backend: Any, device: int) -> State:
         step_open = self._step.phase in (UNSCALED, INSPECTED)
-        return self._states.place(backend, device, lambda: Snapshot(*self._state.snapshot()[:4]), step_open)
+        return lane.place(backend, device, lambda: Snapshot(*self._state.snapshot()[:4]), step_open)
 
     def _snapshot(self) -> tuple[ScalerState, bool, bool, int]:
         """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.
@@ -111,38 +115,12 @@ class SyncFreeGradScaler(Face):
         state, overflow, local, epoch, bad_votes = self._state.snapshot()
         if bad_votes > self._bad_votes_reported:
             count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
-            raise CommunicatorError(
-                f"{count} all-reduce(s) answered something impossible (no maximum of the ranks' 0/1 flags for "
-                "unscale_and_check; no count of ranks with inf/nan, or no sum of the ranks' sums of squares, for "
-                "check): the communicator did not run the expected reduction. Those steps counted as overflows."
-            )
+            raise impossible_answers(count)
         return state, overflow, local, epoch
 
     def scale_factor(self) -> float:
         """Return the current scale (synchronizes: it lives on the device)."""
         return float(self._snapshot()[0].scale)
-
-    def scale_loss(self, loss: Any) -> None:
-        """Multiply ``loss`` in place by the scale, read on the device; this opens a step. Never synchronizes.
-
-        As :meth:`GradScaler.scale_loss`: call it before the backward pass (the
-        gradient calls refuse a step without it, unless the scale is fixed at 1);
-        float16 losses are refused.
-
-        Raises:
-            GradientTypeError, GradientValueError: As :meth:`GradScaler.scale_loss`, or
-                a loss not where the scaler's state is.
-            ScalerProtocolError: The previous step's gradients were unscaled but ``update()`` was not called.
-        """
-        backend, array = parse_loss(loss)
-
-        def scale() -> None:
-            self._step.refuse_scale_loss()
-            state = self._place(backend, backend.location(array)[1])
-            self._step.scaled()
-            state.scale_loss(array)
-
-        self._step.run(scale)
 
     def unscale_and_check(self, gradients: Any) -> Any:
         """Unscale every gradient in place; return the step's verdict as a 0-d bool array (True: all finite).
@@ -163,8 +141,8 @@ class SyncFreeGradScaler(Face):
         """
 
         def parse() -> tuple[Call, State]:
-            call = parse_gradients(gradients, self._cache, one_device=True)
-            return call, self._place(call.backend, call.devices[0] if call.devices else -1)
+            call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE)
+            return call, self._place(self._states, call.backend, call.devices[0] if call.devices else -1)
 
         def unscale() -> Any:
             ballot = Ballot(self._vote)
@@ -172,59 +150,6 @@ class SyncFreeGradScaler(Face):
             return state.finite
 
         return self._step.run(unscale)
-
-    def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
-        """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
-
-        The read-only alternative to ``unscale_and_check`` for the fused
-        optimizers of :mod:`cupy_amp.optim`, which unscale, clip and skip inside
-        their update from the returned record. One fused kernel launch per
-        dtype, then one small launch that sums the blocks' sums in a fixed
-        order and computes the L2 norm of the unscaled gradients and
-        ``min(1, max_norm / (norm + 1e-6))`` on the device. Never synchronizes;
-        the returned arrays live in the scaler's record (reading one waits).
-        It must be the step's only gradient call; bfloat16 gradients are accepted.
-
-        With a communicator, one SUM all-reduce, queued on the stream, carries
-        the pair (ranks with inf/nan, sum of squares) between the two launches:
-        the norm is global and the verdict the same on every rank (a rank's own
-        overflow always counts; an impossible count is an overflow, raised as
-        ``CommunicatorError`` at the next call that reads the state). A call that
-        fails anywhere still joins the all-reduce, as an overflowed rank.
-
-        With ``report=True`` the same read also takes a numerics report of
-        this rank's gradients (the largest finite magnitude, the zeros and the
-        subnormals of each), for :meth:`gradient_numerics`; the norm and the
-        verdict are the same bits as without it.
-
-        Raises:
-            ConfigError: ``max_norm`` is not None or a positive float32 number, ``report`` is not
-                a bool, or the communicator cannot sum (no ``reduce_sum``).
-            ScalerProtocolError: No ``scale_loss`` in this step (scale not fixed at 1), or
-                gradients were already checked or unscaled in this step; nothing is touched.
-            As ``unscale_and_check`` for bad gradients.
-        """
-        limit = expect_max_norm(max_norm)
-        reporting = expect_bool(ConfigError, "report", report)
-
-        def parse() -> tuple[Call, State]:
-            if self._vote is not None:
-                require_sums(self._vote)
-            call = parse_gradients(gradients, self._cache, one_device=True, in_place=False)
-            return call, self._place(call.backend, call.devices[0] if call.devices else -1)
-
-        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
-            return check_call(call, state, ballot, limit, reporting)
-
-        def check() -> GradientStats:
-            ballot = Ballot(self._vote)
-            call, state = self._step.gradient_call(INSPECTED, self._states, ballot, parse, run, sums_after_failure)
-            if reporting:
-                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state)
-            result: GradientStats = state.stats.result
-            return result.for_step(self._step)
-
-        return self._step.run(check)
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.
@@ -280,21 +205,9 @@ class SyncFreeGradScaler(Face):
         state, overflow, local, _ = self._snapshot()
         return GradScalerStats.of(state, True, overflow, local)
 
-    def checkpoint(self) -> GradScalerCheckpoint:
-        """Return the complete state, to resume bit for bit (synchronizes); loadable by either scaler.
-
-        Raises:
-            ScalerProtocolError: A step is open; take checkpoints after ``update()``.
-        """
-
-        def capture() -> GradScalerCheckpoint:
-            self._step.require_idle("checkpoint() cannot capture a resumable state")
-            state, overflow, local, _ = self._snapshot()
-            return GradScalerCheckpoint.capture(
-                self.config, state, enabled=True, found_overflow=overflow, found_overflow_local=local
-            )
-
-        return self._step.run(capture)
+    def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
+        state, overflow, local, _ = self._snapshot()
+        return self.config, state, True, overflow, local
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's, in place (synchronizes).
