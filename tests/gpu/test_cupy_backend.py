@@ -623,6 +623,26 @@ def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_lau
     assert [float(g[0]) for g in grads] == [8.0, 8.0]
 
 
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("face", ["GradScaler", "SyncFreeGradScaler"])
+def test_a_check_of_gradients_on_two_devices_is_refused_with_its_reason(face: str) -> None:
+    if device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+    import cupy_amp
+
+    grads = []
+    for device in (0, 1):
+        with cupy.cuda.Device(device):
+            grads.append(cupy.full(10, 8.0, cupy.float32))
+    scaler = open_step(getattr(cupy_amp, face)(init_scale=2.0), cupy)
+    with pytest.raises(GradientValueError, match=r"check\(\) takes the gradients of one device"):
+        scaler.check(grads)
+    if face == "SyncFreeGradScaler":
+        with pytest.raises(GradientValueError, match="works on one device"):
+            open_step(cupy_amp.SyncFreeGradScaler(init_scale=2.0), cupy).unscale_and_check(grads)
+    assert [float(g[0]) for g in grads] == [8.0, 8.0]
+
+
 def test_a_gradient_set_built_on_a_busy_stream_is_complete_when_used_on_another() -> None:
     # Its device tables are uploaded on the stream current at construction; a launch from another
     # stream must not read them before they arrive (it read stale or freed records before).
