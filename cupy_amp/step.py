@@ -27,9 +27,10 @@ from typing import Any, NamedTuple, TypeVar
 import numpy as np
 
 from cupy_amp import numpy_backend
+from cupy_amp.claims import StepClaims
 from cupy_amp.distributed import OverflowVote
 from cupy_amp.errors import ConfigError, GradientTypeError, GradientValueError, ScalerProtocolError
-from cupy_amp.gradients import Call, StepClaims
+from cupy_amp.gradients import Call
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Backend, Snapshot, State
 

@@ -13,6 +13,11 @@
 #ifndef CUPY_AMP_THREADS
 #error "compile with -DCUPY_AMP_THREADS=<threads per block>, as cupy_amp/kernel_interface.py does"
 #endif
+// Bytes per chunk of the multi-tensor tables (cupy_amp/kernel_interface.py: CHUNK_BYTES), for the bounds
+// that the report's float-valued counts rely on.
+#ifndef CUPY_AMP_CHUNK_BYTES
+#error "compile with -DCUPY_AMP_CHUNK_BYTES=<bytes per chunk>, as cupy_amp/kernel_interface.py does"
+#endif
 
 namespace cupy_amp {
 
@@ -446,7 +451,7 @@ struct ScalarTally {
 #pragma unroll
         for (int lane = 0; lane < 16 / (int)sizeof(bits); ++lane) one(v.lanes[lane]);
     }
-    // After each chunk: the counts kept in float lanes are added to the integer ones (see Tally<Half>).
+    // After each chunk: the counts kept in float lanes are added to the integer ones (see FloatTally).
     __device__ __forceinline__ void settle() {}
     // The report so far (amax as its bits), then zero again for the next tensor.
     __device__ __forceinline__ void take(u64& largest, u64& zero_count, u64& subnormal_count) {

@@ -8,9 +8,9 @@
 
 namespace cupy_amp {
 
-// One warp's numerics of its chunks of one tensor into the tensor's report entry: a max and integer sums,
-// whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's counts of one chunk
-// are far below 2**32). Must be reached by every thread of the warp.
+// One warp's numerics of its block's chunks of one tensor into the tensor's report entry: a max and integer
+// sums, whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's
+// counts of one tensor stay far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
 __device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
