@@ -174,24 +174,26 @@ class GradScaler(Face):
             CommunicatorError: The communicator failed or answered garbage.
         """
 
-        def parse() -> tuple[Call, State]:
-            call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE if self._vote is not None else None)
-            state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-            for device in call.devices[1:] if lane.counts else ():
-                self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
-            return call, state
-
-        def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
-            if lane.counts and len(call.devices) > 1:
-                return self._unscale_on_each_device(lane, call, ballot)
-            return self._settle(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
-
         def unscale() -> bool:
+            lane = self._lane  # under the lock: a set_enabled() served first is the one this call sees
+
+            def parse() -> tuple[Call, State]:
+                one_device = _ONE_DEVICE if self._vote is not None else None
+                call = parse_gradients(gradients, self._cache, one_device=one_device)
+                state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+                for device in call.devices[1:] if lane.counts else ():
+                    self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
+                return call, state
+
+            def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
+                if lane.counts and len(call.devices) > 1:
+                    return self._unscale_on_each_device(lane, call, ballot)
+                return self._settle(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
+
             ballot = Ballot(self._vote if lane.counts else None)
             self._step.gradient_call(UNSCALED, lane, ballot, parse, run, vote_after_failure)
             return not lane.verdict[0]
 
-        lane = self._lane
         return self._step.run(unscale)
 
     def _unscale_on_each_device(self, lane: StateSet, call: Call, ballot: Ballot) -> tuple[int, ...]:

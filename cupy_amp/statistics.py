@@ -149,7 +149,10 @@ def finish_host(
     ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did;
     ``own``: this rank's share of an all-reduced ``total`` (None: ``total`` is this rank's own).
     """
-    norm = np.float32(math.sqrt(total) * float(inv_scale)) if math.isfinite(total) else np.float32(total)
+    with np.errstate(
+        invalid="ignore"
+    ):  # a negative sum (an all-reduce's garbage, after an overflow): NaN, as on the GPU
+        norm = np.float32(np.sqrt(np.float64(total)) * np.float64(inv_scale))
     clip = np.float32(1.0)
     if max_norm > 0.0:
         quotient = max_norm / (float(norm) + CLIP_EPS)

@@ -257,6 +257,35 @@ def test_an_impossible_sum_of_squares_is_an_error_and_the_step_is_skipped(scaler
     assert scaler.stats().skipped_steps == 1 and not any(w.any() for w in weights) and optimizer.step_count == 0
 
 
+class OverflowedSumLyingVote(FakeVote):
+    """A one-rank vote whose sum keeps this rank's overflow and answers a sum of squares of its choosing."""
+
+    def __init__(self, total: float) -> None:
+        super().__init__(FakeWorld(1), 0)
+        self.total = total
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        values[1] = self.total
+
+
+@pytest.mark.parametrize("scaler_class", SCALERS)
+@pytest.mark.parametrize("total", [-1.0, float("-inf")])
+def test_a_negative_sum_of_squares_after_an_overflow_skips_as_the_kernel_does(scaler_class: type, total: float) -> None:
+    """The step overflowed, so the sum is not checked (the finishing kernel does not either): no error, a NaN norm.
+
+    The host's finish took math.sqrt of it and raised a bare ValueError ("math domain error") out of check().
+    """
+    scaler = scaler_class(comm=OverflowedSumLyingVote(total))
+    open_step(scaler)
+    grads = gradients(13, np.float32)
+    grads[2][5] = np.inf
+    stats = scaler.check(grads, max_norm=1.0)
+    assert not bool(stats.finite) and np.isnan(float(stats.norm)) and float(stats.clip_coefficient) == 1.0
+    assert int(state_record(scaler)["skip"]) == 1
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1
+
+
 def state_record(scaler: Any) -> Any:
     """The host statistics record the scaler's check() writes."""
     state = scaler._state if isinstance(scaler, SyncFreeGradScaler) else scaler._scaling.default

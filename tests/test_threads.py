@@ -152,3 +152,34 @@ def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(
         scaler.unscale_and_check(grads())
     assert time.monotonic() - started < 5
     assert face.ok(scaler.unscale_and_check([np.ones(2, np.float32)])) is True  # the scaler still works
+
+
+@pytest.mark.parametrize("method", ["unscale_and_check", "check"])
+def test_a_switch_made_before_a_call_takes_the_lock_is_the_one_the_call_sees(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Another thread's set_enabled(True) lands after a gradient call was entered, before it takes the lock.
+
+    The call must run on the scaler as the lock finds it: enabled, with no scale_loss in the step, so it is
+    refused. A call that chose its states before the lock ran on the disabled scaler's guard: the inf below
+    went uncounted, and update() then grew the enabled scale after a step that had overflowed.
+    """
+    from cupy_amp import GradScaler
+    from cupy_amp.step import Step
+
+    scaler = GradScaler(enabled=False, growth_interval=1)
+    real, armed = Step.run, [True]
+
+    def run(self: Step, operation: Any) -> Any:
+        if armed and operation.__name__ in ("unscale", "check"):
+            armed.clear()
+            scaler.set_enabled(True)  # the other thread's call, served first
+        return real(self, operation)
+
+    monkeypatch.setattr(Step, "run", run)
+    with pytest.raises(ScalerProtocolError, match="no scale_loss"):
+        getattr(scaler, method)([np.array([1.0, np.inf], np.float32)])
+    assert not armed and scaler.is_enabled()
+    with pytest.raises(ScalerProtocolError):
+        scaler.update()  # no gradient call counted in the step
+    assert scaler.stats().scale == 65536.0 and scaler.stats().growths == 0
