@@ -19,7 +19,7 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.gradients import GradientSet
-from cupy_amp.rule import GradScalerStats, ScalerConfig
+from cupy_amp.rule import SMALLEST_SCALE, GradScalerStats, ScalerConfig
 from cupy_amp.scaler import GradScaler
 from cupy_amp.statistics import GradientNumerics, GradientStats
 from cupy_amp.sync_free import SyncFreeGradScaler
@@ -30,6 +30,7 @@ except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
 __all__ = [
+    "SMALLEST_SCALE",
     "ArgumentTypeError",
     "CheckpointCorruptError",
     "CheckpointError",

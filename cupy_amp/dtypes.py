@@ -14,10 +14,15 @@ _NAMES = {np.dtype(np.float16): "float16", np.dtype(np.float32): "float32", np.d
 
 @functools.cache
 def bfloat16() -> np.dtype[Any] | None:
-    """Return the bfloat16 dtype of ``ml_dtypes`` (what CuPy 14 uses), or None when it is not installed."""
+    """Return the bfloat16 dtype of ``ml_dtypes`` (what CuPy 14 uses), or None when it cannot be imported.
+
+    Not only when it is missing: an ml_dtypes built for NumPy 2 under NumPy 1.x (a Chainer environment)
+    raises RuntimeError or SystemError on import, and then no bfloat16 array can exist either, so the
+    rest of cupy-amp must go on working.
+    """
     try:
         import ml_dtypes
-    except ImportError:
+    except Exception:  # any failure to import means "no bfloat16 here" (see above)
         return None
     dtype: np.dtype[Any] = np.dtype(ml_dtypes.bfloat16)
     return dtype

@@ -5,8 +5,9 @@ The model computes in float16 (``chainer.config.dtype = float16``), its logits a
 cast to float32 before the loss, and Adam updates fp32 master weights
 (``use_fp32_update()``). Needs Chainer 7.8.1 (and so NumPy < 2).
 
-    python examples/chainer_train.py                       # NumPy, ~10 s
-    python examples/chainer_train.py --log2-loss-weight -24  # tiny gradients: the scale climbs to compensate
+    python examples/chainer_train.py                       # NumPy, about 20 s on 2 cores
+    python examples/chainer_train.py --log2-loss-weight -24  # gradients 2**-24 as large: fp16 alone would flush
+                                                             # many to zero; scaled, the run trains as before
     python examples/chainer_train.py --device @cupy:0      # CuPy 13 (untested: CI has no GPU with NumPy < 2)
 """
 

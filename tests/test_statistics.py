@@ -349,6 +349,32 @@ def test_without_ml_dtypes_float64_is_not_taken_for_bfloat16(monkeypatch: pytest
     assert loss == 4.0
 
 
+@pytest.mark.parametrize("failure", [RuntimeError, SystemError, ImportError])
+def test_an_ml_dtypes_that_fails_to_import_means_no_bfloat16(monkeypatch: pytest.MonkeyPatch, failure: type) -> None:
+    """An ml_dtypes built for NumPy 2 under NumPy 1.x raises RuntimeError/SystemError on import (a Chainer
+    environment): cupy-amp must go on working without bfloat16, as when ml_dtypes is missing."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def import_(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "ml_dtypes":
+            raise failure("module compiled against NumPy C-API version 0x12")
+        return real_import(name, *args, **kwargs)
+
+    dtypes.bfloat16.cache_clear()
+    monkeypatch.setattr(builtins, "__import__", import_)
+    try:
+        assert dtypes.bfloat16() is None
+        loss = np.ones((), np.float32)
+        scaler = GradScaler(init_scale=4.0)
+        scaler.scale_loss(loss)
+        assert scaler.unscale_and_check([np.full(3, 8.0, np.float16)]) is True
+    finally:
+        monkeypatch.undo()
+        dtypes.bfloat16.cache_clear()
+
+
 class BrokenSumVote(FakeVote):
     """A one-rank vote whose all-reduce raises (a peer reset)."""
 
