@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 
 try:
-    import chainer
+    with warnings.catch_warnings():  # its import warns about numpy.distutils and msvccompiler: not ours to fix
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import chainer
 except ImportError as error:  # not installed, or installed but broken (a newer setuptools drops distutils parts)
     missing = error.name == "chainer"
     why = "is not installed" if missing else f"is installed but does not import ({error!r})"
