@@ -12,7 +12,7 @@ namespace cupy_amp {
 // sums, whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's
 // counts of one tensor stay far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
-__device__ __forceinline__ void report_chunk(Op& op, u64* entry) {
+__device__ __forceinline__ void report_tensor(Op& op, u64* entry) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
     u64 largest, zero_count, subnormal_count;
     op.tally.take(largest, zero_count, subnormal_count);
@@ -48,7 +48,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
     for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
         const Chunk chunk = chunks[c];
         if constexpr (kReport) {
-            if (chunk.tensor != reporting && reporting >= 0) report_chunk(op, entries + 3 * reporting);
+            if (chunk.tensor != reporting && reporting >= 0) report_tensor(op, entries + 3 * reporting);
             reporting = chunk.tensor;
         }
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
@@ -62,7 +62,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
         if constexpr (kReport) op.tally.settle();
     }
     if constexpr (kReport) {
-        if (reporting >= 0) report_chunk(op, entries + 3 * reporting);
+        if (reporting >= 0) report_tensor(op, entries + 3 * reporting);
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;

@@ -228,14 +228,15 @@ def test_an_impossible_overflow_count_is_an_error_and_the_step_is_skipped(scaler
 
 
 class SumLyingVote(FakeVote):
-    """A one-rank vote whose sum answers "no rank overflowed" and a sum of squares of its choosing."""
+    """A one-rank vote whose sum answers a sum of squares of its choosing, and "no rank overflowed" (or, with
+    ``keep_count``, this rank's own count)."""
 
-    def __init__(self, total: float) -> None:
+    def __init__(self, total: float, keep_count: bool = False) -> None:
         super().__init__(FakeWorld(1), 0)
-        self.total = total
+        self.total, self.keep_count = total, keep_count
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
-        values[...] = [0.0, self.total]
+        values[...] = [values[0] if self.keep_count else 0.0, self.total]
 
 
 @pytest.mark.parametrize("scaler_class", SCALERS)
@@ -257,17 +258,6 @@ def test_an_impossible_sum_of_squares_is_an_error_and_the_step_is_skipped(scaler
     assert scaler.stats().skipped_steps == 1 and not any(w.any() for w in weights) and optimizer.step_count == 0
 
 
-class OverflowedSumLyingVote(FakeVote):
-    """A one-rank vote whose sum keeps this rank's overflow and answers a sum of squares of its choosing."""
-
-    def __init__(self, total: float) -> None:
-        super().__init__(FakeWorld(1), 0)
-        self.total = total
-
-    def reduce_sum(self, values: Any, stream: Any) -> None:
-        values[1] = self.total
-
-
 @pytest.mark.parametrize("scaler_class", SCALERS)
 @pytest.mark.parametrize("total", [-1.0, float("-inf")])
 def test_a_negative_sum_of_squares_after_an_overflow_skips_as_the_kernel_does(scaler_class: type, total: float) -> None:
@@ -275,7 +265,7 @@ def test_a_negative_sum_of_squares_after_an_overflow_skips_as_the_kernel_does(sc
 
     The host's finish took math.sqrt of it and raised a bare ValueError ("math domain error") out of check().
     """
-    scaler = scaler_class(comm=OverflowedSumLyingVote(total))
+    scaler = scaler_class(comm=SumLyingVote(total, keep_count=True))
     open_step(scaler)
     grads = gradients(13, np.float32)
     grads[2][5] = np.inf

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -601,14 +602,20 @@ def test_a_device_vote_that_is_no_maximum_is_a_communicator_error() -> None:
     assert open_step(honest, cupy).unscale_and_check([cupy.ones(10, cupy.float32)]) is True
 
 
-@pytest.mark.multi_gpu
-def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_launch() -> None:
-    if device_count() < 2:
-        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+def gradients_on_two_devices() -> list[Any]:
+    """One float32 gradient of 8s on each of devices 0 and 1."""
     grads = []
     for device in (0, 1):
         with cupy.cuda.Device(device):
             grads.append(cupy.full(10, 8.0, cupy.float32))
+    return grads
+
+
+@pytest.mark.multi_gpu
+def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_launch() -> None:
+    if device_count() < 2:
+        pytest.skip(f"needs 2 GPUs, found {device_count()}")
+    grads = gradients_on_two_devices()
     votes: list[bool] = []
 
     class CountingVote(GarbageVote):
@@ -630,10 +637,7 @@ def test_a_check_of_gradients_on_two_devices_is_refused_with_its_reason(face: st
         pytest.skip(f"needs 2 GPUs, found {device_count()}")
     import cupy_amp
 
-    grads = []
-    for device in (0, 1):
-        with cupy.cuda.Device(device):
-            grads.append(cupy.full(10, 8.0, cupy.float32))
+    grads = gradients_on_two_devices()
     scaler = open_step(getattr(cupy_amp, face)(init_scale=2.0), cupy)
     with pytest.raises(GradientValueError, match=r"check\(\) takes the gradients of one device"):
         scaler.check(grads)
