@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -207,13 +208,14 @@ class DeviceStatsRecord:
         return np.asarray(self._filled[:counts].get())
 
     def gather(
-        self, plan: tuple[GradientGroup, ...], stream: Any, state: int, max_norm: float, voting: bool,
-        report: bool = False,
+        self, plan: tuple[GradientGroup, ...], stream: Any, state: int, flags: Callable[[GradientGroup], int],
+        max_norm: float, voting: bool, report: bool = False,
     ) -> None:  # fmt: skip
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
         The kernels read the epoch and the scale from ``state`` (a State's
-        address) and set its flags on inf/nan. With ``voting``, only this rank's
+        address) and set its flags on inf/nan, and each group's culprit flags
+        at ``flags(group)``. With ``voting``, only this rank's
         sums are taken: :attr:`values` is then to be all-reduced, and
         :meth:`finish` called. With ``report``, the same read also fills this
         record's numerics report (zeroed first, on the stream), 3 counts per
@@ -229,7 +231,8 @@ class DeviceStatsRecord:
         for group, launch, grid in self._launches(plan, report):  # each launch's sums, and report, after the last
             if launch is not None:
                 entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
-                launch(grid, stream.ptr, partials=partials + 8 * written, state=state, **entries)
+                found = flags(group)
+                launch(grid, stream.ptr, partials=partials + 8 * written, state=state, tensor_found=found, **entries)
                 written += grid
             reported += len(group.positions)
         self._finish(
@@ -289,6 +292,10 @@ class DeviceState:
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
         self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
         self.stats = DeviceStatsRecord(device, self.finite, self.read_on)
+        # This state's culprit flags, per gradient table (by its memory's id, dropped when the table dies): a
+        # u64 per tensor, the epoch of this state's last launch that saw inf/nan in it. Tables are shared by
+        # every scaler over the same memory; flags kept there would be another scaler's to overwrite.
+        self._culprit_flags: dict[int, tuple[weakref.ref[cupy.ndarray], cupy.ndarray]] = {}
         self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
         self._order = threading.Lock()  # the last stream is read and replaced in one step
         self.restore(config, state, overflow, local, epoch)
@@ -379,6 +386,27 @@ class DeviceState:
     def begin_step(self) -> None:
         self._launch("cupy_amp_begin_step")
 
+    def _flags(self, group: GradientGroup) -> int:
+        """Return the address of this state's culprit flags for ``group``'s table, made (zeroed) on first use.
+
+        Raises:
+            ScalerProtocolError: They must be made inside a CUDA graph capture.
+        """
+        key = id(group.table.memory)
+        entry = self._culprit_flags.get(key)
+        if entry is None or entry[0]() is not group.table.memory:
+            refuse_capture("the scaler's culprit flags for these gradients must first be made")
+            with _on_device(self.device):
+                flags = cupy.zeros(len(group.table.sizes), dtype=np.uint64)  # on the stream the launch uses
+            known = self._culprit_flags  # the callback holds the dict, not the state
+
+            def forget(_: object, key: int = key) -> None:
+                known.pop(key, None)
+
+            entry = (weakref.ref(group.table.memory, forget), flags)
+            self._culprit_flags[key] = entry
+        return int(entry[1].data.ptr)
+
     def unscale(self, call: Any) -> None:
         """Queue the unscale of a parsed call (its arrays on this device), reading factor and epoch from the State.
 
@@ -388,11 +416,15 @@ class DeviceState:
             stream = self.follow()
             for group in call.plan:
                 if group.table.launch is not None:
-                    group.table.launch(min(group.table.chunk_count, MAX_GRID), stream.ptr, state=self.address)
+                    grid = min(group.table.chunk_count, MAX_GRID)
+                    group.table.launch(grid, stream.ptr, state=self.address, tensor_found=self._flags(group))
 
     def prepare(self, call: Any) -> None:
-        """Get everything a captured step with ``call``'s arrays needs (the statistics buffer)."""
+        """Get everything a captured step with ``call``'s arrays needs (the statistics buffer, the culprit flags)."""
         self.stats.reserve(call.plan)
+        for group in call.plan or ():
+            if group.table.stats is not None:
+                self._flags(group)
 
     def check(self, call: Any, max_norm: float, voting: bool, report: bool = False) -> None:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
@@ -402,7 +434,7 @@ class DeviceState:
         report (:meth:`numerics`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
         with _on_device(self.device):
-            self.stats.gather(call.plan, self.follow(), self.address, max_norm, voting, report)
+            self.stats.gather(call.plan, self.follow(), self.address, self._flags, max_norm, voting, report)
 
     def numerics(self, plan: Any) -> list[Numerics]:
         """Return the numerics report that the last ``check(report=True)`` over ``plan`` filled (synchronizes)."""
@@ -474,7 +506,10 @@ class DeviceState:
             with self._order:
                 self._last_stream = None
             for group in plan or ():
-                seen = group.table.tensor_found.get()
+                entry = self._culprit_flags.get(id(group.table.memory))
+                if entry is None or entry[0]() is not group.table.memory:
+                    continue  # this state never launched over the table: nothing of it was flagged here
+                seen = entry[1].get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))
 

@@ -134,7 +134,6 @@ class GradientTable(NamedTuple):
 
     chunk_count: int
     memory: cupy.ndarray  # the chunk records, then the layouts of strided tensors
-    tensor_found: cupy.ndarray  # uint64 per tensor: the epoch of the last launch that saw inf/nan in it
     launch: _Launcher | None  # the unscale kernel; None when the group has no elements, or is bfloat16
     stats: _Launcher | None  # the statistics kernel; None when the group has no elements
     report_stats: _Launcher | None  # the same with the numerics report (into the scaler's record: never shared)
@@ -193,14 +192,11 @@ def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable
     records["last"] = np.where(dense, count_of, first + count_of)
     records["tensor"] = tensor
     records["layout"] = layout_of[tensor]
-    tensor_found = cupy.zeros(count, dtype=np.uint64)  # queued before the upload, whose wait covers it
     memory = upload(np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)]))
     launch = stats = report_stats = None
     if len(records):
-        tables = {
-            "chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": len(records),
-            "tensor_found": tensor_found.data.ptr,
-        }  # fmt: skip
+        # Each state passes its own culprit flags (tensor_found) at launch: a table is shared by every scaler.
+        tables = {"chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": len(records)}
         if type_name in UNSCALE_DTYPE_NAMES:
             function = _function("unscale_check.cu", f"cupy_amp_unscale_check_{type_name}")
             launch = _Launcher(function, UNSCALE_ARGS, **tables)
@@ -208,7 +204,7 @@ def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable
         function = _function("grad_stats.cu", f"cupy_amp_gradient_report_{type_name}")
         report_stats = _Launcher(function, STATS_ARGS, **tables)
     counts = tuple(int(size) for size in sizes)
-    return GradientTable(len(records), memory, tensor_found, launch, stats, report_stats, arrays[0].dtype, counts)
+    return GradientTable(len(records), memory, launch, stats, report_stats, arrays[0].dtype, counts)
 
 
 # The optimizers' tables: one per parameter dtype, each a launch of the rule's kernel.

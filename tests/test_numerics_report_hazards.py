@@ -182,6 +182,7 @@ def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
     record.address = 0
     record._finish = lambda grid, stream, **fields: finished.append(fields)
     stream = SimpleNamespace(ptr=0)
-    record.gather(None, stream, 0, 0.0, False)
-    record.gather(None, stream, 0, 0.0, False, report=True)  # TypeError: 'NoneType' object is not iterable
+    record.gather(None, stream, 0, lambda group: 0, 0.0, False)
+    # This call raised TypeError: 'NoneType' object is not iterable.
+    record.gather(None, stream, 0, lambda group: 0, 0.0, False, report=True)
     assert len(finished) == 2 and finished[0] == finished[1]

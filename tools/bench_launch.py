@@ -49,15 +49,17 @@ def main(argv: list[str] | None = None) -> int:
     table = group.table
     stream = cupy.cuda.get_current_stream()
 
+    flags = scaler._state._flags(group)  # the scaler's own culprit flags for this table
+
     def driver() -> None:
-        table.launch(1, stream.ptr, state=state)
+        table.launch(1, stream.ptr, state=state, tensor_found=flags)
 
     kernel = kernel_launch._module("unscale_check.cu").get_function("cupy_amp_unscale_check_float32")
     record = np.zeros(1, kernel_interface.UNSCALE_ARGS)
     record["chunks"] = table.memory.data.ptr
     record["layouts"] = table.memory.data.ptr + kernel_interface.CHUNK.itemsize * table.chunk_count
     record["chunk_count"] = table.chunk_count
-    record["tensor_found"] = table.tensor_found.data.ptr
+    record["tensor_found"] = flags
 
     def cupy_call() -> None:
         record["state"] = state
