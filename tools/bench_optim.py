@@ -160,7 +160,7 @@ def stats_kernels_timer(grads: list[cupy.ndarray], report: bool = False) -> Call
     call = parse_gradients(prepared)
 
     def run(i: int) -> None:
-        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), state.address, 1.0, False, report)
+        state.stats.gather(call.plan, cupy.cuda.get_current_stream(), state.address, state._flags, 1.0, False, report)
 
     return cupy_event_timer(run, COVER)
 
