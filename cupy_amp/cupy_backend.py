@@ -28,7 +28,7 @@ import numpy as np
 from cupy_amp.device_tables import GradientGroup, dense_base, gradient_tables, layout_words
 from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
-from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, STATS, UNSCALE_DTYPE_NAMES
+from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, STATS, THREADS, UNSCALE_DTYPE_NAMES
 from cupy_amp.kernel_launch import MAX_GRID, _Launcher, _on_device, capturing, launcher, order_after, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
@@ -127,13 +127,29 @@ def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[GradientGroup, ...]:
 
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
 _SUM_AND_FINISH, _SUM_ONLY, _FINISH_ONLY = 0, 1, 2  # FinishArgs::stage (kernels/common.cuh)
-_STATS_BLOCKS_PER_SM = 8  # two waves of resident blocks, each walking its chunks without a barrier
+# kMinBlocks of kernels/common.cuh: every block resident at once, each warp walking chunks of its own.
+_STATS_BLOCKS_PER_SM = 2
+_WARPS_PER_BLOCK = THREADS // 32
 
 
 @cupy.memoize(for_each_device=True)  # type: ignore[untyped-decorator]
 def _stats_grid() -> int:
     """Return the most blocks of a statistics launch on the current device: fixed, so the sums' order is too."""
     return int(_STATS_BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"])
+
+
+def _stats_blocks(chunks: int, grid: int) -> int:
+    """Return the blocks of a statistics launch over ``chunks``: each warp walks the same number of chunks.
+
+    The fewest rounds the grid allows, and just enough warps for them: a last round that only some warps
+    walk would leave too few loads in flight (5000 chunks on 4224 warps: 776 would walk a second chunk
+    alone). A function of the chunk count and the grid only, so the sums' order is fixed too.
+    """
+    if chunks == 0:
+        return 0
+    rounds = -(-chunks // (grid * _WARPS_PER_BLOCK))  # chunks per warp
+    warps = -(-chunks // rounds)
+    return -(-warps // _WARPS_PER_BLOCK)
 
 
 class DeviceStatsRecord:
@@ -177,7 +193,8 @@ class DeviceStatsRecord:
         launches = []
         for group in plan or ():
             launch = group.table.report_stats if report else group.table.stats
-            launches.append((group, launch, 0 if launch is None else min(group.table.chunk_count, self._grid)))
+            blocks = 0 if launch is None else _stats_blocks(group.table.chunk_count, self._grid)
+            launches.append((group, launch, blocks))
         return launches
 
     def read(self, stream: Any) -> np.void:

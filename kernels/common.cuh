@@ -538,7 +538,8 @@ template <>
 struct Tally<Single> : FloatTally<Single, SingleLanes> {};
 
 #if __CUDA_ARCH__ >= 800
-static_assert(CUPY_AMP_CHUNK_BYTES / 2 / CUPY_AMP_THREADS <= 2048, "float16-valued counts would round");
+// A warp walks a statistics chunk (grad_stats.cu): each thread counts at most this many halves per chunk.
+static_assert(CUPY_AMP_CHUNK_BYTES / 2 / 32 <= 2048, "float16-valued counts would round");
 
 struct HalfLanes {
     static constexpr u32 kMinNormal = 0x04000400u;  // 2**-14 in both lanes
@@ -595,11 +596,12 @@ struct SumSquares {
     }
 };
 
-// The one walk: elements [first, last) of a dense tensor starting at `base`, as a scalar head up to
-// 16-byte alignment, a body of 16-byte vectors (kUnroll loads in flight per thread, streaming cache
-// hints: every byte is read, and written, once), and a scalar tail. Returns true if any was inf/nan.
+// The one walk: elements [first, last) of a dense tensor starting at `base`, shared by `threads` threads
+// (this one is `thread`), as a scalar head up to 16-byte alignment, a body of 16-byte vectors (kUnroll loads
+// in flight per thread, streaming cache hints: every byte is read, and written, once), and a scalar tail.
+// Returns true if any was inf/nan.
 template <class Op>
-__device__ bool walk_dense(u64 base, long long first, long long last, Op& op) {
+__device__ bool walk_dense(u64 base, long long first, long long last, Op& op, u32 thread, u32 threads) {
     typedef typename Op::Type::bits bits;
     bits* data = reinterpret_cast<bits*>(base);
     bool bad = false;
@@ -607,20 +609,20 @@ __device__ bool walk_dense(u64 base, long long first, long long last, Op& op) {
     const u64 first_address = base + (u64)first * sizeof(bits);
     const long long head = (long long)(((16u - (first_address & 15u)) & 15u) / sizeof(bits));
     const long long body_first = first + head < last ? first + head : last;
-    for (long long i = first + threadIdx.x; i < body_first; i += blockDim.x) bad |= op.one(data[i]);
+    for (long long i = first + thread; i < body_first; i += threads) bad |= op.one(data[i]);
 
     const long long lanes = 16 / sizeof(bits), vectors = (last - body_first) / lanes;
     Vector<typename Op::Type>* body = reinterpret_cast<Vector<typename Op::Type>*>(data + body_first);
-    for (long long v = threadIdx.x; v < vectors; v += (long long)kUnroll * blockDim.x) {
+    for (long long v = thread; v < vectors; v += (long long)kUnroll * threads) {
         Vector<typename Op::Type> loaded[kUnroll];
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            const long long index = v + (long long)k * blockDim.x;
+            const long long index = v + (long long)k * threads;
             if (index < vectors) loaded[k].raw = __ldcs(&body[index].raw);
         }
 #pragma unroll
         for (int k = 0; k < kUnroll; ++k) {
-            const long long index = v + (long long)k * blockDim.x;
+            const long long index = v + (long long)k * threads;
             if (index < vectors) {
                 bad |= op.vector(loaded[k]);
                 if constexpr (Op::kWrites) __stcs(&body[index].raw, loaded[k].raw);
@@ -628,20 +630,32 @@ __device__ bool walk_dense(u64 base, long long first, long long last, Op& op) {
         }
     }
 
-    for (long long i = body_first + vectors * lanes + threadIdx.x; i < last; i += blockDim.x) bad |= op.one(data[i]);
+    for (long long i = body_first + vectors * lanes + thread; i < last; i += threads) bad |= op.one(data[i]);
     return bad;
 }
 
-// Elements [first, last) (in C order) of one tensor, whichever its layout (null: dense). Must be reached by
-// every thread of the block (it synchronizes to stage a strided layout in shared memory).
 template <class Op>
-__device__ bool walk(u64 base, const long long* layout, long long first, long long last, Op& op) {
-    if (layout == nullptr) return walk_dense(base, first, last, op);
-    const long long* staged = stage_layout(layout);
+__device__ bool walk_strided(u64 base, const long long* layout, long long first, long long last, Op& op, u32 thread,
+                             u32 threads) {
     typename Op::Type::bits* origin = reinterpret_cast<typename Op::Type::bits*>(base);
     bool bad = false;
-    for (long long i = first + threadIdx.x; i < last; i += blockDim.x) bad |= op.one(origin[strided_offset(staged, i)]);
+    for (long long i = first + thread; i < last; i += threads) bad |= op.one(origin[strided_offset(layout, i)]);
     return bad;
+}
+
+// Elements [first, last) (in C order) of one tensor, whichever its layout (null: dense), walked by the block.
+// Must be reached by every thread of the block (it synchronizes to stage a strided layout in shared memory).
+template <class Op>
+__device__ bool walk(u64 base, const long long* layout, long long first, long long last, Op& op) {
+    if (layout == nullptr) return walk_dense(base, first, last, op, threadIdx.x, blockDim.x);
+    return walk_strided(base, stage_layout(layout), first, last, op, threadIdx.x, blockDim.x);
+}
+
+// The same, walked by one warp alone (a strided layout read where it is, not staged: no block barrier).
+template <class Op>
+__device__ bool walk_by_warp(u64 base, const long long* layout, long long first, long long last, Op& op) {
+    if (layout == nullptr) return walk_dense(base, first, last, op, threadIdx.x % 32, 32u);
+    return walk_strided(base, layout, first, last, op, threadIdx.x % 32, 32u);
 }
 
 // The sum of `x` over the block, in a fixed order (the same bits every run); valid in thread 0.

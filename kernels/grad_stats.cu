@@ -2,13 +2,14 @@
 // which tensors held inf/nan and each block's sum of squares (in float64: the squares of float16,
 // bfloat16 and float32 values are exact there, and no finite gradient can overflow the sum); then one
 // block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
-// optimizers' factor on the device. No float atomics, and a grid fixed per GPU model (the Python side's
-// choice): the same bits on every run. NumPy reference: cupy_amp.statistics.host_sums and finish_host.
+// optimizers' factor on the device. No float atomics, and a grid that depends only on the GPU model and the
+// chunk count (the Python side's choice): the same bits on every run. NumPy reference:
+// cupy_amp.statistics.host_sums and finish_host.
 #include "common.cuh"
 
 namespace cupy_amp {
 
-// One warp's numerics of its block's chunks of one tensor into the tensor's report entry: a max and integer
+// One warp's numerics of its chunks of one tensor into the tensor's report entry: a max and integer
 // sums, whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's
 // counts of one tensor stay far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
@@ -44,17 +45,20 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const u64 epoch = state->epoch;
     SumSquares<Type, kReport> op;
     u64* const entries = reinterpret_cast<u64*>(args.report);
-    int reporting = -1;  // the tensor whose report the block is keeping: a block's chunks of one tensor add up first
-    for (long long c = blockIdx.x; c < args.chunk_count; c += gridDim.x) {
+    int reporting = -1;  // the tensor whose report the warp is keeping: a warp's chunks of one tensor add up first
+    // Each warp walks chunks of its own, so a small tensor keeps only a warp busy, not a whole block, and the
+    // other warps' loads stay in flight meanwhile. Neighbouring chunks go to warps of different blocks.
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    for (long long c = (long long)(threadIdx.x / 32) * gridDim.x + blockIdx.x; c < args.chunk_count; c += warps) {
         const Chunk chunk = chunks[c];
         if constexpr (kReport) {
             if (chunk.tensor != reporting && reporting >= 0) report_tensor(op, entries + 3 * reporting);
             reporting = chunk.tensor;
         }
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
-        if (walk(chunk.address, layout, chunk.first, chunk.last, op)) {
+        if (walk_by_warp(chunk.address, layout, chunk.first, chunk.last, op)) {
             // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
-            // so nothing else waits for the block), and flags are written only on an overflow.
+            // so nothing else waits for the warp), and flags are written only on an overflow.
             reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
             state->finite = 0;
             state->found = 1;
