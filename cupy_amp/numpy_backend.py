@@ -101,7 +101,7 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
 
 
 class HostStatsRecord:
-    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.cupy_backend.DeviceStatsRecord`)."""
+    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.device_stats.DeviceStatsRecord`)."""
 
     device = -1
 

@@ -172,9 +172,9 @@ def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
     scaler already has, a DeviceState once GPU arrays placed one. Run here without a GPU: only the record's
     host-side logic, with stand-ins for its device memory and its finishing launch.
     """
-    cupy_backend = pytest.importorskip("cupy_amp.cupy_backend")
+    device_stats = pytest.importorskip("cupy_amp.device_stats")
     finished: list[dict[str, Any]] = []
-    record = object.__new__(cupy_backend.DeviceStatsRecord)
+    record = object.__new__(device_stats.DeviceStatsRecord)
     record._grid = 4
     record._partials = SimpleNamespace(size=0, data=SimpleNamespace(ptr=0))
     record._report = SimpleNamespace(size=0, nbytes=0, data=SimpleNamespace(ptr=0))

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-cupy_backend = pytest.importorskip("cupy_amp.cupy_backend")
-WARPS = cupy_backend._WARPS_PER_BLOCK
+device_stats = pytest.importorskip("cupy_amp.device_stats")
+WARPS = device_stats._WARPS_PER_BLOCK
 
 
 @pytest.mark.parametrize("grid", [1, 2, 264, 1056])
 @pytest.mark.parametrize("chunks", [1, 15, 16, 17, 148, 4224, 4225, 5000, 7600, 95_000, 1_000_003])
 def test_every_chunk_is_walked_in_the_fewest_rounds_with_no_warp_short_of_a_round(grid: int, chunks: int) -> None:
-    blocks = cupy_backend._stats_blocks(chunks, grid)
+    blocks = device_stats._stats_blocks(chunks, grid)
     warps = blocks * WARPS
     rounds = -(-chunks // warps)  # the kernel: warp w walks chunks w, w + warps, ...
     assert 1 <= blocks <= grid
@@ -25,8 +25,8 @@ def test_every_chunk_is_walked_in_the_fewest_rounds_with_no_warp_short_of_a_roun
 
 
 def test_a_group_without_chunks_launches_no_block() -> None:
-    assert cupy_backend._stats_blocks(0, 264) == 0
+    assert device_stats._stats_blocks(0, 264) == 0
 
 
 def test_the_blocks_depend_on_the_chunk_count_and_grid_alone() -> None:
-    assert [cupy_backend._stats_blocks(5000, 264) for _ in range(3)] == [157, 157, 157]
+    assert [device_stats._stats_blocks(5000, 264) for _ in range(3)] == [157, 157, 157]

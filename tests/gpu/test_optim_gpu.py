@@ -389,7 +389,7 @@ def test_an_optimizer_step_on_another_stream_waits_for_the_check_it_reads() -> N
 
 
 def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    from cupy_amp import cupy_backend
+    from cupy_amp import device_stats
 
     grads = [cupy.ones(100, cupy.float32)]
     others = OtherRanks(0.0, 0.0)
@@ -399,7 +399,7 @@ def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkey
         raise RuntimeError("launch failed")
 
     open_step(scaler, cupy)
-    monkeypatch.setattr(cupy_backend.DeviceStatsRecord, "finish", broken_finish)
+    monkeypatch.setattr(device_stats.DeviceStatsRecord, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
     assert others.calls == 1  # joined once: a second all-reduce would pair with the other ranks' next one
