@@ -4,8 +4,10 @@ All in one run, timers interleaved round by round (``bench_unscale``'s method:
 CUDA events, an L2 scrub before each timed run, medians):
 
 - the statistics pass (``SyncFreeGradScaler.check`` with clipping, and its
-  ``update``) against its floor: the bytes it reads at the copy bandwidth of a
-  2 GiB device-to-device copy;
+  ``update``) against its floors: the bytes it reads at the copy bandwidth of a
+  2 GiB device-to-device copy, and at the bandwidth of a streaming read; with
+  the numerics report; and the scaler's whole step (``scale_loss``, ``check``,
+  ``update``: GPU time, the host's hidden) beyond the read floor;
 - fused AdamW and SGD with momentum on float16 parameters with float32 master
   weights, against their floors (AdamW moves 28 bytes per parameter, SGD 20);
 - a whole step on GPT-2-XL float32 shapes: ours (``scale_loss``, ``check``,
@@ -246,25 +248,27 @@ def main(argv: list[str] | None = None) -> int:
         grads = arrays(shapes, dtype, 0)
         timer, run = stats_timer(grads)
         timers = {"copy": copy, "read": read, "stats": timer, "kernels": stats_kernels_timer(grads)}
+        timers["step"] = cupy_event_timer(run, COVER)  # scale_loss + check + update, the host hidden
         timers["report"] = stats_kernels_timer(grads, report=True)
         medians = interleaved_medians(timers, args.repeats)
         nbytes = sum(g.nbytes for g in grads)
         floor = nbytes / (COPY_BYTES / medians["copy"])  # at the copy bandwidth, bytes per microsecond
         read_floor = nbytes / (READ_BYTES / medians["read"])  # at the read bandwidth
         host = host_us(run, args.repeats)
-        us, kernels, report = medians["stats"], medians["kernels"], medians["report"]
+        us, kernels, report, step = medians["stats"], medians["kernels"], medians["report"], medians["step"]
         results["stats"][name] = {
             "us": us, "floor_us": floor, "fraction": floor / us, "host_us": host, "kernels_us": kernels,
             "kernels_fraction": floor / kernels, "read_floor_us": read_floor, "read_fraction": read_floor / us,
             "kernels_read_fraction": read_floor / kernels, "report_kernels_us": report,
-            "report_cost": report / kernels - 1.0,
+            "report_cost": report / kernels - 1.0, "step_us": step, "step_over_read_floor_us": step - read_floor,
         }  # fmt: skip
         del grads, timers
         cupy.get_default_memory_pool().free_all_blocks()
         print(
             f"stats {name:16s} {us:9.1f} us  copy floor {floor:9.1f} ({floor / us:.3f})  read floor {read_floor:9.1f} "
             f"({read_floor / us:.3f})  kernels alone {kernels:.1f} ({read_floor / kernels:.3f} of read)  "
-            f"with report {report:.1f} ({100 * (report / kernels - 1):+.1f}%)  host {host:.1f} us"
+            f"with report {report:.1f} ({100 * (report / kernels - 1):+.1f}%)  host {host:.1f} us  "
+            f"step {step:.1f} (read floor {step - read_floor:+.1f} us)"
         )
 
     for name, shapes in OPTIMIZER_WORKLOADS.items() if "optimizers" in parts else ():
