@@ -50,7 +50,7 @@ __all__ = [
 ]
 
 THREADS = 512  # per block; passed to the kernels with -D
-CHUNK_BYTES = 32768  # one block's unit of work (tuned on an H200: BENCHMARKS.md)
+CHUNK_BYTES = 32768  # a block's unit of work (the statistics pass: a warp's); tuned on an H200: BENCHMARKS.md
 MAX_NDIM = 64  # kMaxNdim: the most dimensions of a strided tensor
 
 # The structs of kernels/common.cuh, field for field (compile_source() checks it).

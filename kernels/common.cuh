@@ -34,7 +34,7 @@ constexpr int kMaxNdim = 64;
 // The records below are written by the Python side (cupy_amp/kernel_interface.py mirrors each with a NumPy
 // dtype, and every compile checks that the two agree field by field). Device addresses are u64.
 
-// One chunk of a multi-tensor table: one block's unit of work, inside one tensor.
+// One chunk of a multi-tensor table: one block's unit of work (in the statistics pass, one warp's), inside one tensor.
 struct __align__(16) Chunk {
     u64 address;      // dense: the chunk's first element; strided: the tensor's element [0, ..., 0]
     long long first;  // dense: 0; strided: the chunk's first element, counted in C order
