@@ -37,11 +37,12 @@ def _stats_grid() -> int:
 
 
 def _stats_blocks(chunks: int, grid: int) -> int:
-    """Return the blocks of a statistics launch over ``chunks``: each warp walks the same number of chunks.
+    """Return the blocks of a statistics launch over ``chunks``: the warps walk equal numbers of chunks.
 
-    The fewest rounds the grid allows, and just enough warps for them: a last round that only some warps
-    walk would leave too few loads in flight (5000 chunks on 4224 warps: 776 would walk a second chunk
-    alone). A function of the chunk count and the grid only, so the sums' order is fixed too.
+    The fewest rounds the grid allows, and just enough warps for them, so that in each round at most one
+    block's spare warps have no chunk: a last round that only some warps walk would leave too few loads in
+    flight (5000 chunks on 4224 warps: 776 would walk a second chunk alone). A function of the chunk count
+    and the grid only, so the sums' order is fixed too.
     """
     if chunks == 0:
         return 0

@@ -2,9 +2,10 @@
 parameter tables, with one cache.
 
 A table describes many tensors to one kernel launch, one record per
-block-sized chunk of a tensor: :data:`cupy_amp.kernel_interface.CHUNK` for the
-unscale and statistics kernels (dense tensors walked as flat memory, strided
-ones through a layout copied beside the records), and
+chunk of a tensor (a block's work in the unscale kernel, a warp's in the
+statistics pass): :data:`cupy_amp.kernel_interface.CHUNK` for the unscale and
+statistics kernels (dense tensors walked as flat memory, strided ones through a
+layout copied beside the records), and
 :data:`~cupy_amp.kernel_interface.PARAM_CHUNK` for the fused optimizers. Both
 are cut by :func:`chunks`, copied by :func:`upload`, and kept in one small LRU
 cache keyed by everything the records are a function of (addresses, shapes,

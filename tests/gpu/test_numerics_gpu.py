@@ -53,8 +53,7 @@ def test_the_gpu_report_equals_numpys_and_the_bits(face: type, dtype: Any) -> No
 def test_a_finite_gradient_of_zeros_and_subnormals_is_counted_on_the_gpu(dtype: Any) -> None:
     """Every vector finite (the float-pipe counts), the largest magnitude a subnormal, both signs of zero.
 
-    2,200 chunks: more than twice the blocks of the grid (8 per multiprocessor), so a block adds several
-    chunks of the tensor up before its report goes out.
+    2,200 chunks of one tensor, a warp each (the many-chunks-per-warp case is the test below).
     """
     unsigned, magnitude_mask, _, min_normal = MASKS[np.dtype(dtype)]
     rng = np.random.default_rng(8)
@@ -69,6 +68,64 @@ def test_a_finite_gradient_of_zeros_and_subnormals_is_counted_on_the_gpu(dtype: 
     assert (row.amax, row.zeros, row.subnormals) == on_the_bits(host)
     smallest_normal = float(np.array(min_normal, dtype=unsigned).view(np.dtype(dtype)))
     assert row.subnormals > 0 and row.zeros > 0 and 0 < row.amax < smallest_normal
+
+
+def many_chunks_per_warp(dtype: Any, nan: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
+    """Tensors of 20 and 7 chunks, a small one between, and a strided one (negative strides) over 3 chunks."""
+    rng = np.random.default_rng(9)
+    per_chunk = CHUNK_BYTES // np.dtype(dtype).itemsize
+    host = {"a": awkward(rng, dtype, 20 * per_chunk + 17), "b": awkward(rng, dtype, 9)}
+    host["c"] = awkward(rng, dtype, 7 * per_chunk)
+    if nan:
+        host["c"][6 * per_chunk + 5] = np.array(np.nan).astype(dtype)  # in the tensor's last chunk
+    device = {name: cupy.asarray(array) for name, array in host.items()}
+    base = awkward(rng, dtype, 6 * per_chunk)
+    view = (slice(None, None, -1), slice(None, None, -2))
+    host["strided"] = base.reshape(6, per_chunk)[view]
+    device["strided"] = cupy.asarray(base).reshape(6, per_chunk)[view]
+    return host, device
+
+
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32], ids=str)
+def test_warps_that_walk_many_chunks_report_and_sum_as_numpy(
+    face: type, dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One block (16 warps) for about 35 chunks: each warp walks chunks of several tensors in turn.
+
+    Its report is flushed each time the tensor changes, a NaN in a late chunk is still found, and the norm's
+    bits repeat from step to step and stay within a float32 ulp of NumPy's (and of the full grid's).
+    """
+    from cupy_amp import device_stats
+
+    full_grid = open_step(face(init_scale=1.0), cupy)
+    host, device = many_chunks_per_warp(dtype, nan=False)
+    expected = float(full_grid.check(device, max_norm=1.0).norm)
+    monkeypatch.setattr(device_stats, "_stats_grid", lambda: 1)
+    on_gpu, on_cpu = face(init_scale=1.0), open_step(face(init_scale=1.0))
+    reference = float(on_cpu.check(host, max_norm=1.0).norm)
+    norms = []
+    for _ in range(3):
+        norms.append(cupy.asnumpy(open_step(on_gpu, cupy).check(device, max_norm=1.0).norm).tobytes())
+        on_gpu.update()
+    lanes = on_gpu._scaling if face is GradScaler else on_gpu._states
+    assert [state.stats._grid for state in lanes.states.values()] == [1]  # the patched grid was used
+    assert len(set(norms)) == 1
+    norm = float(np.frombuffer(norms[0], np.float32)[0])
+    assert abs(norm - reference) <= np.spacing(np.float32(reference)) and abs(norm - expected) <= np.spacing(
+        np.float32(expected)
+    )
+
+    host, device = many_chunks_per_warp(dtype, nan=True)
+    stats = open_step(on_gpu, cupy).check(device, report=True)
+    assert not bool(stats.finite)
+    rows = on_gpu.gradient_numerics()
+    on_cpu.update()
+    open_step(on_cpu).check(host, report=True)
+    assert rows == on_cpu.gradient_numerics()
+    for row in rows:
+        assert (row.amax, row.zeros, row.subnormals) == on_the_bits(host[row.label]), row.label
+    assert [row.label for row in rows if row.nonfinite] == ["c"]
 
 
 @pytest.mark.parametrize("face", FACES)
