@@ -71,15 +71,22 @@ def test_a_finite_gradient_of_zeros_and_subnormals_is_counted_on_the_gpu(dtype: 
 
 
 def many_chunks_per_warp(dtype: Any, nan: bool) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """Tensors of 20 and 7 chunks, a small one between, and a strided one (negative strides) over 3 chunks."""
+    """Tensors of 20 and 7 chunks, a small one between, and a strided one (negative strides) over 3 chunks.
+
+    With ``nan``, values of every class (``awkward``) and a NaN; without, normal values whose norm is finite.
+    """
     rng = np.random.default_rng(9)
+
+    def values(rng: np.random.Generator, dtype: Any, size: int) -> np.ndarray:
+        return awkward(rng, dtype, size) if nan else rng.standard_normal(size).astype(dtype)
+
     per_chunk = CHUNK_BYTES // np.dtype(dtype).itemsize
-    host = {"a": awkward(rng, dtype, 20 * per_chunk + 17), "b": awkward(rng, dtype, 9)}
-    host["c"] = awkward(rng, dtype, 7 * per_chunk)
+    host = {"a": values(rng, dtype, 20 * per_chunk + 17), "b": values(rng, dtype, 9)}
+    host["c"] = values(rng, dtype, 7 * per_chunk)
     if nan:
         host["c"][6 * per_chunk + 5] = np.array(np.nan).astype(dtype)  # in the tensor's last chunk
     device = {name: cupy.asarray(array) for name, array in host.items()}
-    base = awkward(rng, dtype, 6 * per_chunk)
+    base = values(rng, dtype, 6 * per_chunk)
     view = (slice(None, None, -1), slice(None, None, -2))
     host["strided"] = base.reshape(6, per_chunk)[view]
     device["strided"] = cupy.asarray(base).reshape(6, per_chunk)[view]
@@ -112,6 +119,7 @@ def test_warps_that_walk_many_chunks_report_and_sum_as_numpy(
     assert [state.stats._grid for state in lanes.states.values()] == [1]  # the patched grid was used
     assert len(set(norms)) == 1
     norm = float(np.frombuffer(norms[0], np.float32)[0])
+    assert np.isfinite(norm) and norm > 0
     assert abs(norm - reference) <= np.spacing(np.float32(reference)) and abs(norm - expected) <= np.spacing(
         np.float32(expected)
     )
