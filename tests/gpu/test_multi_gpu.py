@@ -36,9 +36,9 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_ranks(scenario: str, tmp_path: Path) -> list[dict]:
-    if _gpu_count() < WORLD:
-        pytest.skip(f"needs {WORLD} GPUs, found {_gpu_count()}")
+def run_ranks(scenario: str, tmp_path: Path, world: int = WORLD) -> list[dict]:
+    if _gpu_count() < world:
+        pytest.skip(f"needs {world} GPUs, found {_gpu_count()}")
     port = _free_port()
     root = Path(__file__).resolve().parents[2]
     # The repository (cupy_amp) and tests/ (helpers, shared with the in-process tests).
@@ -46,13 +46,13 @@ def run_ranks(scenario: str, tmp_path: Path) -> list[dict]:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(WORKER), scenario, str(rank), str(WORLD), str(port), str(tmp_path)],
+            [sys.executable, str(WORKER), scenario, str(rank), str(world), str(port), str(tmp_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for rank in range(WORLD)
+        for rank in range(world)
     ]
     outputs = []
     for proc in procs:
@@ -65,7 +65,7 @@ def run_ranks(scenario: str, tmp_path: Path) -> list[dict]:
         outputs.append(output)
     for rank, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"{scenario} rank {rank} failed:\n{output[-4000:]}"
-    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
+    return [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 AGREED = ("scale", "consecutive_good_steps", "hysteresis_tracker", "steps", "skipped_steps", "growths", "backoffs")
