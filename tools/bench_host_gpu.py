@@ -3,7 +3,8 @@
 A long kernel is queued first; then N sync-free steps (``scale_loss``,
 ``check(max_norm)``, ``update``) on a ``GradientSet`` are queued behind it and
 each call is timed on the host with ``time.perf_counter``: none of them can
-wait for the device, so what is measured is the Python and the launches. No
+wait for the device, so what is measured is the Python and the launches
+(PyTorch's ``GradScaler`` beside them, where PyTorch with CUDA is installed). No
 profiler runs (CUPTI's callbacks triple host times). ``GradScaler``'s
 ``unscale_and_check`` reads the verdict back, so it cannot hide behind a busy
 GPU: it is timed on an idle GPU, as its wall time minus its kernel's time.
@@ -73,6 +74,58 @@ def sync_free_calls(shapes: list[tuple[int, ...]], dtype: str, steps: int, repea
     cupy.cuda.Device().synchronize()
     if scaler.stats().skipped_steps:
         raise SystemExit("benchmark check failed: clean gradients were skipped")
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians["step"] = sum(medians.values())
+    return medians
+
+
+def torch_calls(
+    shapes: list[tuple[int, ...]],
+    steps: int,
+    repeats: int,
+    device: str = "cuda",
+    hold: Callable[[], object] | None = None,
+) -> dict[str, float] | None:
+    """Median host time (us) of PyTorch's nearest step, queued behind ``hold`` (a busy GPU); None without PyTorch.
+
+    ``torch.amp.GradScaler``'s ``scale``, ``unscale_`` (its fused check and unscale, which does not wait) and
+    ``update``, on float32 gradients (``unscale_`` refuses float16 ones) of the same shapes. Its ``step``
+    waits for the verdict unless the optimizer is fused, so it is left out, as our optimizer step is.
+    """
+    try:
+        import torch
+    except ImportError:
+        return None
+    if device == "cuda" and not torch.cuda.is_available():
+        return None
+    params = [torch.nn.Parameter(torch.zeros(shape, device=device)) for shape in shapes]
+    for param in params:
+        param.grad = torch.full_like(param, 0.5)
+    optimizer = torch.optim.SGD(params, lr=0.0)
+    scaler = torch.amp.GradScaler(device, init_scale=1.0, growth_interval=10**9)
+    loss = torch.ones((), device=device)
+    calls: dict[str, Callable[[], object]] = {
+        "scale": lambda: scaler.scale(loss),
+        "unscale_": lambda: scaler.unscale_(optimizer),
+        "update": scaler.update,
+    }
+    for call in calls.values():  # warm
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if hold is not None:
+            hold()
+        for _ in range(steps):
+            for name, call in calls.items():
+                begin = time.perf_counter()
+                call()
+                samples[name].append((time.perf_counter() - begin) * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    if scaler.get_scale() != 1.0:
+        raise SystemExit("benchmark check failed: PyTorch's scaler saw an overflow in clean gradients")
     medians = {name: statistics.median(values) for name, values in samples.items()}
     medians["step"] = sum(medians.values())
     return medians
@@ -151,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         calls = sync_free_calls(shapes, dtype, args.steps, args.repeats)
         shown = "  ".join(f"{call} {us:5.1f}" for call, us in calls.items())
         print(f"{name:16s} sync-free (us): {shown}")
+        theirs = torch_calls(shapes, args.steps, args.repeats, hold=lambda: busy(0.2))
+        if theirs is not None:
+            shown = "  ".join(f"{call} {us:5.1f}" for call, us in theirs.items())
+            print(f"{name:16s} PyTorch GradScaler, float32 (us): {shown}")
         beyond_kernel, beyond_bare = grad_scaler_call(shapes, dtype, args.repeats)
         print(f"{name:16s} GradScaler.unscale_and_check(GradientSet): {beyond_kernel:.1f} us beyond its kernel, "
               f"{beyond_bare:.1f} us beyond a bare launch and verdict read")  # fmt: skip
