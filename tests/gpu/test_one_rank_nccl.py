@@ -21,14 +21,13 @@ IDS = ["NCCLBackend", "NcclCommunicator", "sync-free", "sync-free-raw"]
 
 @pytest.fixture(autouse=True)
 def nccl_or_skip() -> None:
-    cupy = pytest.importorskip("cupy")
+    pytest.importorskip("cupy")
     try:
         from cupy.cuda import nccl
     except Exception as error:  # CuPy without its NCCL binding, or no libnccl to load
         pytest.skip(f"CuPy has no NCCL here ({type(error).__name__}: {error})")
     if not getattr(nccl, "available", True):
         pytest.skip("CuPy was built without NCCL")
-    del cupy
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=IDS)
