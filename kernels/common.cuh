@@ -634,6 +634,8 @@ __device__ bool walk_dense(u64 base, long long first, long long last, Op& op, u3
     return bad;
 }
 
+// Elements [first, last) (in C order) of a strided tensor whose element [0, ..., 0] is at `base`, shared by
+// `threads` threads as walk_dense's; `layout` as stage_layout copies it. Returns true if any was inf/nan.
 template <class Op>
 __device__ bool walk_strided(u64 base, const long long* layout, long long first, long long last, Op& op, u32 thread,
                              u32 threads) {

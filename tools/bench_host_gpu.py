@@ -50,6 +50,33 @@ def busy(seconds: float) -> None:
     _SPIN((1,), (1,), (np.int64(seconds * rate),))
 
 
+def host_times(
+    calls: dict[str, Callable[[], object]], steps: int, repeats: int, before_round: Callable[[], object]
+) -> dict[str, float]:
+    """Median host time (us) of each of ``calls``, run in order ``steps`` times per round after ``before_round``.
+
+    Each call is run once first (kernels loaded, buffers sized); the medians' sum is given as "step".
+    """
+    for call in calls.values():
+        call()
+    samples: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        before_round()
+        for _ in range(steps):
+            for name, call in calls.items():
+                begin = time.perf_counter()
+                call()
+                samples[name].append((time.perf_counter() - begin) * 1e6)
+    medians = {name: statistics.median(values) for name, values in samples.items()}
+    medians["step"] = sum(medians.values())
+    return medians
+
+
+def behind_busy_gpu() -> None:
+    cupy.cuda.Device().synchronize()
+    busy(0.2)
+
+
 def sync_free_calls(shapes: list[tuple[int, ...]], dtype: str, steps: int, repeats: int) -> dict[str, float]:
     """Median host time (us) of each call of a sync-free step, queued behind a busy GPU."""
     scaler = SyncFreeGradScaler(init_scale=1.0, growth_interval=10**9)
@@ -60,22 +87,10 @@ def sync_free_calls(shapes: list[tuple[int, ...]], dtype: str, steps: int, repea
         "check": lambda: scaler.check(prepared, max_norm=1.0),
         "update": scaler.update,
     }
-    for call in calls.values():  # warm: kernels loaded, buffers sized
-        call()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        cupy.cuda.Device().synchronize()
-        busy(0.2)
-        for _ in range(steps):
-            for name, call in calls.items():
-                begin = time.perf_counter()
-                call()
-                samples[name].append((time.perf_counter() - begin) * 1e6)
+    medians = host_times(calls, steps, repeats, behind_busy_gpu)
     cupy.cuda.Device().synchronize()
     if scaler.stats().skipped_steps:
         raise SystemExit("benchmark check failed: clean gradients were skipped")
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    medians["step"] = sum(medians.values())
     return medians
 
 
@@ -83,10 +98,10 @@ def torch_calls(
     shapes: list[tuple[int, ...]],
     steps: int,
     repeats: int,
+    before_round: Callable[[], object],
     device: str = "cuda",
-    hold: Callable[[], object] | None = None,
 ) -> dict[str, float] | None:
-    """Median host time (us) of PyTorch's nearest step, queued behind ``hold`` (a busy GPU); None without PyTorch.
+    """Median host time (us) of PyTorch's nearest step, each round after ``before_round``; None without PyTorch.
 
     ``torch.amp.GradScaler``'s ``scale``, ``unscale_`` (its fused check and unscale, which does not wait) and
     ``update``, on float32 gradients (``unscale_`` refuses float16 ones) of the same shapes. Its ``step``
@@ -109,25 +124,11 @@ def torch_calls(
         "unscale_": lambda: scaler.unscale_(optimizer),
         "update": scaler.update,
     }
-    for call in calls.values():  # warm
-        call()
-    samples: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if hold is not None:
-            hold()
-        for _ in range(steps):
-            for name, call in calls.items():
-                begin = time.perf_counter()
-                call()
-                samples[name].append((time.perf_counter() - begin) * 1e6)
+    medians = host_times(calls, steps, repeats, before_round)
     if device == "cuda":
         torch.cuda.synchronize()
     if scaler.get_scale() != 1.0:
         raise SystemExit("benchmark check failed: PyTorch's scaler saw an overflow in clean gradients")
-    medians = {name: statistics.median(values) for name, values in samples.items()}
-    medians["step"] = sum(medians.values())
     return medians
 
 
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         calls = sync_free_calls(shapes, dtype, args.steps, args.repeats)
         shown = "  ".join(f"{call} {us:5.1f}" for call, us in calls.items())
         print(f"{name:16s} sync-free (us): {shown}")
-        theirs = torch_calls(shapes, args.steps, args.repeats, hold=lambda: busy(0.2))
+        theirs = torch_calls(shapes, args.steps, args.repeats, behind_busy_gpu)
         if theirs is not None:
             shown = "  ".join(f"{call} {us:5.1f}" for call, us in theirs.items())
             print(f"{name:16s} PyTorch GradScaler, float32 (us): {shown}")
