@@ -7,7 +7,8 @@ CUDA events, an L2 scrub before each timed run, medians):
   ``update``) against its floors: the bytes it reads at the copy bandwidth of a
   2 GiB device-to-device copy, and at the bandwidth of a streaming read; with
   the numerics report; and the scaler's whole step (``scale_loss``, ``check``,
-  ``update``: GPU time, the host's hidden) beyond the read floor;
+  ``update``: GPU time, the host's hidden) beyond the read floor, run eagerly
+  and replayed as a CUDA graph;
 - fused AdamW and SGD with momentum on float16 parameters with float32 master
   weights, against their floors (AdamW moves 28 bytes per parameter, SGD 20);
 - a whole step on GPT-2-XL float32 shapes: ours (``scale_loss``, ``check``,
@@ -147,6 +148,23 @@ def stats_timer(grads: list[cupy.ndarray]) -> tuple[Callable[[int], float], Call
     return timed, run
 
 
+def captured(run: Callable[[int], object]) -> Callable[[int], object]:
+    """Return replays of ``run(0)`` captured once in a CUDA graph (after an eager call that loads its kernels).
+
+    The graph's kernels follow one another with no host between them, so its
+    time beyond the read floor is the kernels' own fixed cost, launch gaps aside.
+    """
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:  # the scaler refuses a capture on another stream than its last work's
+        run(0)
+        stream.begin_capture()
+        try:
+            run(0)
+        finally:
+            graph = stream.end_capture()
+    return lambda i: graph.launch(cupy.cuda.get_current_stream())
+
+
 def stats_kernels_timer(grads: list[cupy.ndarray], report: bool = False) -> Callable[[int], float]:
     """Return a timer of the statistics kernels alone (the per-dtype launches and the finishing block).
 
@@ -250,17 +268,20 @@ def main(argv: list[str] | None = None) -> int:
         timers = {"copy": copy, "read": read, "stats": timer, "kernels": stats_kernels_timer(grads)}
         timers["step"] = cupy_event_timer(run, COVER)  # scale_loss + check + update, the host hidden
         timers["report"] = stats_kernels_timer(grads, report=True)
+        timers["graph"] = cupy_event_timer(captured(stats_timer(grads)[1]), COVER)  # a scaler of its own
         medians = interleaved_medians(timers, args.repeats)
         nbytes = sum(g.nbytes for g in grads)
         floor = nbytes / (COPY_BYTES / medians["copy"])  # at the copy bandwidth, bytes per microsecond
         read_floor = nbytes / (READ_BYTES / medians["read"])  # at the read bandwidth
         host = host_us(run, args.repeats)
         us, kernels, report, step = medians["stats"], medians["kernels"], medians["report"], medians["step"]
+        graph = medians["graph"]
         results["stats"][name] = {
             "us": us, "floor_us": floor, "fraction": floor / us, "host_us": host, "kernels_us": kernels,
             "kernels_fraction": floor / kernels, "read_floor_us": read_floor, "read_fraction": read_floor / us,
             "kernels_read_fraction": read_floor / kernels, "report_kernels_us": report,
             "report_cost": report / kernels - 1.0, "step_us": step, "step_over_read_floor_us": step - read_floor,
+            "graph_step_us": graph, "graph_step_over_read_floor_us": graph - read_floor,
         }  # fmt: skip
         del grads, timers
         cupy.get_default_memory_pool().free_all_blocks()
@@ -268,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             f"stats {name:16s} {us:9.1f} us  copy floor {floor:9.1f} ({floor / us:.3f})  read floor {read_floor:9.1f} "
             f"({read_floor / us:.3f})  kernels alone {kernels:.1f} ({read_floor / kernels:.3f} of read)  "
             f"with report {report:.1f} ({100 * (report / kernels - 1):+.1f}%)  host {host:.1f} us  "
-            f"step {step:.1f} (read floor {step - read_floor:+.1f} us)"
+            f"step {step:.1f} (read floor {step - read_floor:+.1f} us)  "
+            f"captured {graph:.1f} (read floor {graph - read_floor:+.1f} us)"
         )
 
     for name, shapes in OPTIMIZER_WORKLOADS.items() if "optimizers" in parts else ():

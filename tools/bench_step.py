@@ -5,8 +5,10 @@ batch (kernels compiled and cached by a warm-up run first), and, from a
 profiler trace (CUPTI through ``torch.profiler``, where PyTorch with CUDA is
 installed), the synchronizing CUDA API calls and device-to-host copies per
 steady-state step. The synchronous mode is the control: its one wait per step
-must show up, or the count proves nothing. For graphs, also the host time to
-queue one replay. Every timing runs before the first profiler trace (CUPTI, once attached, slows
+must show up, or the count proves nothing. For the device modes, also the
+steps queued back to back with no batch drawn and nothing read back, as the
+PyTorch reference runs them ("alone"); for graphs, the host time to queue one
+replay. Every timing runs before the first profiler trace (CUPTI, once attached, slows
 every CUDA call of the process). With PyTorch, the nearest PyTorch equivalent as a reference:
 the same MLP with autocast fp16, ``torch.amp.GradScaler`` and ``Adam(fused=True)``,
 eager and captured in a CUDA graph.
@@ -76,6 +78,24 @@ def steps_per_second(mode: str, steps: int, repeats: int = 3) -> float:
         run(steps)
         cupy.cuda.Device().synchronize()
         rates.append(steps / (time.perf_counter() - start))
+    return sorted(rates)[len(rates) // 2]
+
+
+def steps_alone_per_second(mode: str, steps: int, repeats: int = 3) -> float:
+    """As :func:`steps_per_second` for a device mode, with the steps queued back to back: no batches drawn,
+    nothing read back (the batch indices of one chunk are reused), as the PyTorch reference's loop runs."""
+    trainer, run = make_trainer(mode)
+    run(60)
+    trainer.upload_batches(trainer.state.step, trainer.batches(trainer.state.step, trainer.chunk))
+    rates = []
+    with trainer.stream:
+        for _ in range(repeats):
+            cupy.cuda.Device().synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                trainer.launch()
+            cupy.cuda.Device().synchronize()
+            rates.append(steps / (time.perf_counter() - start))
     return sorted(rates)[len(rates) // 2]
 
 
@@ -235,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every timing first: once a profiler has attached CUPTI, every CUDA call in the process costs more.
     for mode in ("sync", "sync-free", "graph"):
         report[mode] = {"steps_per_second": steps_per_second(mode, args.steps)}
+    for mode in ("sync-free", "graph"):
+        report[mode]["steps_alone_per_second"] = steps_alone_per_second(mode, args.steps)
     report["graph"]["host_us_per_replay"] = graph_host_us(args.profile_steps * 10)
     report["torch_reference"] = torch_reference(args.steps)
     for mode in ("sync", "sync-free", "graph"):
@@ -243,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{name}, CuPy {cupy.__version__}; the demo's step ({args.steps} steps per mode)")
     for mode in ("sync", "sync-free", "graph"):
         rate = report[mode]["steps_per_second"]
-        print(f"  {mode:<10} {rate:>9.0f} steps/s  ({rate / sync:.2f}x)  profile: {report[mode]['profile']}")
+        alone = f"  alone {report[mode]['steps_alone_per_second']:.0f} steps/s" if mode != "sync" else ""
+        print(f"  {mode:<10} {rate:>9.0f} steps/s  ({rate / sync:.2f}x){alone}  profile: {report[mode]['profile']}")
     print(f"  graph: host time per replay (us): {report['graph']['host_us_per_replay']}")
     print(f"  PyTorch reference: {report['torch_reference']}")
     if args.json:

@@ -7,10 +7,11 @@ picked on the device from indices uploaded a chunk of steps at a time, AdamW
 reads the scaler's factor and verdict on the device and leaves everything
 untouched after an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
 device records that the host reads once per chunk. CuPy refuses cuBLAS calls
-inside a stream capture, so the matrix products here are small elementwise
-kernels of our own (fp16 inputs, fp32 accumulation, rounded to fp16, as in
-:func:`~cupy_amp.demo.model.forward`); their sums run in another order than
-cuBLAS's, so the numbers differ from the synchronous demo's in the last bits.
+inside a stream capture, so the matrix products go through a cuBLAS handle of
+the trainer's own (:mod:`cupy_amp.demo.products`): fp16 inputs, fp32 sums,
+rounded to fp16, as in :func:`~cupy_amp.demo.model.forward`, though with
+cuBLAS's fp16 kernels rather than the fp32 ones ``cupy.matmul`` picks there, so
+the numbers differ from the synchronous demo's in the last bits.
 """
 
 from __future__ import annotations
@@ -22,41 +23,13 @@ import cupy
 import numpy as np
 
 from cupy_amp.demo.model import Dataset, batch_indices, cross_entropy, forward
+from cupy_amp.demo.products import Products
 from cupy_amp.demo.settings import Settings
 from cupy_amp.demo.training import RunState, StepOutcome
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 __all__ = ["DeviceTrainer"]
 
-# A matrix product of strided fp16 operands in fp32, in slices of the inner dimension (a long serial sum
-# would leave the GPU waiting on one load after another): parts[s, i, j] = sum over slice s of a[i, k] b[k, j].
-_PRODUCT_PARTS = cupy.ElementwiseKernel(
-    "raw T a, raw T b, int64 inner, int64 slice, int64 rows, int64 cols, int64 a_row, int64 a_col, int64 b_row, "
-    "int64 b_col",
-    "float32 part",
-    """
-    const long long s = i / (rows * cols), row = (i / cols) % rows, col = i % cols;
-    const long long last = min(inner, (s + 1) * slice);
-    float sum = 0.0f;
-    for (long long k = s * slice; k < last; ++k) {
-        sum += (float)a[row * a_row + k * a_col] * (float)b[k * b_row + col * b_col];
-    }
-    part = sum;
-    """,
-    "cupy_amp_demo_product_parts",
-)
-# out[i, j] = the slices' sums added in a fixed order (the same bits on every run), rounded to out's dtype.
-_ADD_PARTS = cupy.ElementwiseKernel(
-    "raw float32 parts, int64 count, int64 size",
-    "T out",
-    """
-    float sum = 0.0f;
-    for (long long s = 0; s < count; ++s) sum += parts[s * size + i];
-    out = (T)sum;
-    """,
-    "cupy_amp_demo_add_parts",
-)
-_SLICE = 32  # inner elements per thread
 # The forward layer's epilogue: z + bias, then ReLU except on the last layer.
 _BIAS_RELU = cupy.ElementwiseKernel(
     "T z, T bias, bool relu", "T out", "T y = z + bias; out = (relu && y < (T)0) ? (T)0 : y;", "cupy_amp_demo_bias"
@@ -72,32 +45,6 @@ _GATHER = cupy.ElementwiseKernel(
     if (feature == 0) y_out[row] = y[example];
     """,
     "cupy_amp_demo_gather",
-)
-# Per row: softmax of the fp16 logits in fp32, the cross-entropy and whether the prediction was right.
-_SOFTMAX_XENT = cupy.ElementwiseKernel(
-    "raw float16 logits, int64 label, int64 classes",
-    "raw float32 probs, float32 loss, float32 correct",
-    """
-    const long long first = i * classes;
-    float top = (float)logits[first];
-    long long best = 0;
-    for (long long c = 1; c < classes; ++c) {
-        if ((float)logits[first + c] > top) {
-            top = (float)logits[first + c];
-            best = c;
-        }
-    }
-    float total = 0.0f;
-    for (long long c = 0; c < classes; ++c) {
-        float e = expf((float)logits[first + c] - top);
-        probs[i * classes + c] = e;
-        total += e;
-    }
-    for (long long c = 0; c < classes; ++c) probs[i * classes + c] /= total;
-    loss = -logf(fmaxf(probs[i * classes + label], 1e-30f));
-    correct = best == label ? 1.0f : 0.0f;
-    """,
-    "cupy_amp_demo_softmax_xent",
 )
 # d(training loss)/d(logits) in fp32, rounded to fp16: the backward pass's seed is the loss weight times
 # the scale (read on the device), divided by the batch size in float64 as model.backward does.
@@ -127,21 +74,106 @@ _RECORD = cupy.ElementwiseKernel(
 )
 
 
-class _Product:
-    """``out = op(a) @ op(b)`` for fixed 2-D C-contiguous fp16 arrays (op: a transpose where asked), as two launches."""
+# The demo's kernels that CuPy's elementwise kernels cannot express in one launch.
+_KERNELS = cupy.RawModule(
+    code=r"""
+__device__ float from_half(unsigned short h) {
+    float x;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
+    return x;
+}
+__device__ unsigned short to_half(float x) {
+    unsigned short h;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
+    return h;
+}
 
-    def __init__(self, a: Any, b: Any, out: Any, transpose_a: bool = False, transpose_b: bool = False) -> None:
-        self.a, self.b, self.out = a, b, out
-        a_row, a_col = (1, a.shape[1]) if transpose_a else (a.shape[1], 1)
-        b_row, b_col = (1, b.shape[1]) if transpose_b else (b.shape[1], 1)
-        inner = a.shape[0] if transpose_a else a.shape[1]
-        parts = -(-inner // _SLICE)
-        self._parts = cupy.empty((parts, *out.shape), cupy.float32)
-        self._arguments = (inner, _SLICE, out.shape[0], out.shape[1], a_row, a_col, b_row, b_col)
+// Casts between the fp16 copies and the fp32 arrays of every parameter (the step would otherwise pay a
+// launch per array): table rows are (source address, destination address, elements).
+template <typename From, typename To, To (*convert)(From)>
+__device__ void cast_all(const unsigned long long* table, int arrays) {
+    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+    const long long stride = (long long)gridDim.x * blockDim.x;
+    for (int t = 0; t < arrays; ++t) {
+        const From* from = (const From*)table[3 * t];
+        To* to = (To*)table[3 * t + 1];
+        const long long elements = (long long)table[3 * t + 2];
+        for (long long i = first; i < elements; i += stride) to[i] = convert(from[i]);
+    }
+}
+extern "C" __global__ void cupy_amp_demo_widen(const unsigned long long* table, int arrays) {
+    cast_all<unsigned short, float, from_half>(table, arrays);
+}
+extern "C" __global__ void cupy_amp_demo_narrow(const unsigned long long* table, int arrays) {
+    cast_all<float, unsigned short, to_half>(table, arrays);
+}
+
+// One block of kRowThreads: per row, the softmax of the fp16 logits in fp32, then the batch's mean
+// cross-entropy and accuracy (summed in a fixed order: the same bits on every run), and the backward
+// pass's seed, d(loss)/d(loss) = 1, for scale_loss to scale.
+constexpr int kRowThreads = 512;
+extern "C" __global__ void __launch_bounds__(kRowThreads) cupy_amp_demo_softmax_xent(
+    const unsigned short* logits, const long long* labels, long long rows, long long classes,
+    float* probs, float* mean_loss, float* accuracy, float* seed) {
+    __shared__ float losses[kRowThreads], rights[kRowThreads];
+    float loss = 0.0f, right = 0.0f;
+    for (long long row = threadIdx.x; row < rows; row += kRowThreads) {
+        const unsigned short* z = logits + row * classes;
+        float* p = probs + row * classes;
+        float top = from_half(z[0]);
+        long long best = 0;
+        for (long long c = 1; c < classes; ++c) {
+            if (from_half(z[c]) > top) {
+                top = from_half(z[c]);
+                best = c;
+            }
+        }
+        float total = 0.0f;
+        for (long long c = 0; c < classes; ++c) {
+            p[c] = expf(from_half(z[c]) - top);
+            total += p[c];
+        }
+        for (long long c = 0; c < classes; ++c) p[c] /= total;
+        loss += -logf(fmaxf(p[labels[row]], 1e-30f));
+        right += best == labels[row] ? 1.0f : 0.0f;
+    }
+    losses[threadIdx.x] = loss;
+    rights[threadIdx.x] = right;
+    for (int half = kRowThreads / 2; half > 0; half /= 2) {
+        __syncthreads();
+        if (threadIdx.x < half) {
+            losses[threadIdx.x] += losses[threadIdx.x + half];
+            rights[threadIdx.x] += rights[threadIdx.x + half];
+        }
+    }
+    if (threadIdx.x == 0) {
+        *mean_loss = losses[0] / (float)rows;
+        *accuracy = rights[0] / (float)rows;
+        *seed = 1.0f;
+    }
+}
+""",
+)
+_ROW_THREADS = 512  # kRowThreads
+_CAST_BLOCKS, _CAST_THREADS = 64, 256
+
+
+class _CastAll:
+    """``to[k] = from_[k]`` cast, for fixed lists of same-shaped C-contiguous arrays (fp16 <-> fp32), in one launch."""
+
+    def __init__(self, from_: list[Any], to: list[Any]) -> None:
+        for source, target in zip(from_, to, strict=True):
+            if source.shape != target.shape or not (source.flags.c_contiguous and target.flags.c_contiguous):
+                raise ValueError(f"cannot cast {source.shape} into {target.shape}: same-shaped C-contiguous only")
+        widen = from_[0].dtype == cupy.float16
+        self._kernel = _KERNELS.get_function("cupy_amp_demo_widen" if widen else "cupy_amp_demo_narrow")
+        rows = [(source.data.ptr, target.data.ptr, source.size) for source, target in zip(from_, to)]
+        self._table = cupy.asarray(np.array(rows, dtype=np.uint64))
+        self._keep = (from_, to)  # the table holds their addresses
+        self._arguments = (self._table, np.int32(len(rows)))
 
     def __call__(self) -> None:
-        _PRODUCT_PARTS(self.a, self.b, *self._arguments, self._parts)
-        _ADD_PARTS(self._parts, self._parts.shape[0], self.out.size, self.out)
+        self._kernel((_CAST_BLOCKS,), (_CAST_THREADS,), self._arguments)
 
 
 class DeviceTrainer:
@@ -188,66 +220,59 @@ class DeviceTrainer:
         self._outputs = [cupy.empty((batch, width), cupy.float16) for width in widths]  # after bias (and ReLU)
         self._deltas = [cupy.empty((batch, width), cupy.float16) for width in widths]  # gradients of the outputs
         self._probs = cupy.empty((batch, widths[-1]), cupy.float32)
-        self._row_loss, self._row_correct = cupy.empty(batch, cupy.float32), cupy.empty(batch, cupy.float32)
         self._loss, self._accuracy = cupy.empty((), cupy.float32), cupy.empty((), cupy.float32)
         self._scale = cupy.empty((), cupy.float32)
         self._grads16 = {name: cupy.empty(master.shape, cupy.float16) for name, master in masters.items()}
-        self._bias_sums = {name: cupy.empty(master.shape, cupy.float32) for name, master in masters.items()}
         self._master_grads = {name: cupy.zeros_like(master) for name, master in masters.items()}
         self._grad_list = list(self._master_grads.values())  # in the optimizer's parameter order
         self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
         self._prepared = self.scaler.prepare(self._master_grads)
-        inputs = [self._x, *self._outputs[:-1]]
-        self._forward = [
-            _Product(inputs[i - 1], self._weights[f"W{i}"], self._outputs[i - 1]) for i in range(1, layers + 1)
-        ]
-        self._weight_grads = [
-            _Product(inputs[i - 1], self._deltas[i - 1], self._grads16[f"W{i}"], transpose_a=True)
-            for i in range(1, layers + 1)
-        ]
-        self._input_grads = [
-            _Product(self._deltas[i - 1], self._weights[f"W{i}"], self._deltas[i - 2], transpose_b=True)
-            for i in range(2, layers + 1)
-        ]
+        self._ones = cupy.ones((1, batch), cupy.float16)  # a bias gradient is the column sums: ones @ delta
+        self._products = Products(self.stream)  # bound to the trainer's stream, where every step runs
+        self._widen_grads = _CastAll(list(self._grads16.values()), self._grad_list)
+        self._narrow_weights = _CastAll(list(masters.values()), list(self._weights.values()))
+        self._softmax_xent = _KERNELS.get_function("cupy_amp_demo_softmax_xent")
+        logits, classes = self._outputs[-1], widths[-1]
+        sizes = (np.int64(batch), np.int64(classes))
+        self._softmax_arguments = (logits, self._y, *sizes, self._probs, self._loss, self._accuracy, self._scale)
 
     def step(self) -> None:
-        """Queue one step on the current stream (the trainer's, in ``run``): device work only, capturable.
+        """Queue one step on the trainer's stream: device work only, capturable (in a capture of that stream).
 
         Its batch comes from the indices :meth:`upload_batches` put on the device.
         """
+        with self.stream:  # where the products' cuBLAS handle queues its work
+            self._queue_step()
+
+    def _queue_step(self) -> None:
         settings, layers = self.settings, self._layers
         batch, features = self._x.shape
         _GATHER(
             self._x_train, self._y_train, self._indices, self._counter, self.chunk, batch, features, self._x, self._y
         )
+        inputs = [self._x, *self._outputs[:-1]]
         for i in range(1, layers + 1):
-            self._forward[i - 1]()
+            self._products(inputs[i - 1], self._weights[f"W{i}"], self._outputs[i - 1])
             _BIAS_RELU(self._outputs[i - 1], self._weights[f"b{i}"], i < layers, self._outputs[i - 1])
         classes = self._probs.shape[1]
-        _SOFTMAX_XENT(self._outputs[-1], self._y, classes, self._probs, self._row_loss, self._row_correct)
-        cupy.mean(self._row_loss, out=self._loss)
-        cupy.mean(self._row_correct, out=self._accuracy)
+        self._softmax_xent((1,), (_ROW_THREADS,), self._softmax_arguments)
         # The scale, as a loss of 1.0 scaled (a framework's backward pass would start from the scaled loss).
-        self._scale.fill(1.0)
         self.scaler.scale_loss(self._scale)
         _LOGIT_GRAD(self._probs, self._y, self._scale, classes, settings.loss_weight, batch, self._deltas[-1])
         for i in range(layers, 0, -1):
             delta = self._deltas[i - 1]
-            self._weight_grads[i - 1]()
-            cupy.sum(delta, axis=0, dtype=cupy.float32, out=self._bias_sums[f"b{i}"])
-            cupy.copyto(self._grads16[f"b{i}"], self._bias_sums[f"b{i}"], casting="same_kind")
+            self._products(inputs[i - 1], delta, self._grads16[f"W{i}"], transpose_a=True)
+            self._products(self._ones, delta, self._grads16[f"b{i}"].reshape(1, -1))
             if i > 1:
                 below = self._deltas[i - 2]
-                self._input_grads[i - 2]()
+                self._products(delta, self._weights[f"W{i}"], below, transpose_b=True)
                 _RELU_GRAD(below, self._outputs[i - 2], below)
-        for name, grad in self._grads16.items():
-            cupy.copyto(self._master_grads[name], grad)  # the scaled fp16 gradients, upcast to fp32
+        self._widen_grads()  # the scaled fp16 gradients, upcast to fp32
         # One read of the gradients for inf/nan and the norm; the fused AdamW unscales, clips and updates the
         # masters in one pass, or leaves everything untouched after an overflow (its verdict stays on the device).
         stats = self.scaler.check(self._prepared, max_norm=settings.clip * settings.loss_weight)
         self.state.optimizer.step(self._grad_list, stats)
-        for name, master in self.state.masters.items():
-            cupy.copyto(self._weights[name], master, casting="same_kind")
+        self._narrow_weights()
         self.scaler.update()
         _RECORD(self._loss, self._accuracy, self._scale, stats.finite, self.chunk, self._counter, *self._records)
 

@@ -1,0 +1,139 @@
+"""The demo device step's own kernels: cuBLAS products (eager and replayed), one-launch casts, the softmax and means."""
+
+from __future__ import annotations
+
+import cupy
+import numpy as np
+import pytest
+
+from cupy_amp.demo.device_step import _KERNELS, _ROW_THREADS, _CastAll
+from cupy_amp.demo.products import Products
+
+
+def fp16(rng: np.random.Generator, *shape: int) -> cupy.ndarray:
+    return cupy.asarray(rng.standard_normal(shape).astype(np.float16))
+
+
+def assert_is_the_product(
+    got: np.ndarray, a: cupy.ndarray, b: cupy.ndarray, transpose_a: bool, transpose_b: bool
+) -> None:
+    """``got`` is within reach of op(a) @ op(b) summed in fp32 and rounded once to fp16.
+
+    In float64 from the fp16 operands the product is exact; an fp32 sum of
+    ``inner`` terms is off by at most ``inner`` fp32 rounding steps of the
+    terms' magnitudes, and the fp16 rounding adds half an fp16 step.
+    """
+    left, right = cupy.asnumpy(a).astype(np.float64), cupy.asnumpy(b).astype(np.float64)
+    left, right = (left.T if transpose_a else left), (right.T if transpose_b else right)
+    exact, magnitudes = left @ right, np.abs(left) @ np.abs(right)
+    fp32_error = left.shape[1] * 2.0**-23 * magnitudes
+    bound = np.spacing(np.abs(exact) + fp32_error, dtype=np.float16).astype(np.float64) + 2 * fp32_error
+    assert np.isfinite(got).all()
+    assert (np.abs(got.astype(np.float64) - exact) <= bound).all()
+
+
+@pytest.mark.parametrize(("transpose_a", "transpose_b"), [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize(("rows", "inner", "cols"), [(512, 2, 64), (64, 512, 64), (512, 64, 5), (1, 512, 64)])
+def test_a_product_is_the_fp16_rounding_of_an_fp32_sum(
+    rows: int, inner: int, cols: int, transpose_a: bool, transpose_b: bool
+) -> None:
+    rng = np.random.default_rng(rows * inner + cols)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    products = Products(stream)
+    with stream:
+        a = fp16(rng, *((inner, rows) if transpose_a else (rows, inner)))
+        b = fp16(rng, *((cols, inner) if transpose_b else (inner, cols)))
+        out = cupy.full((rows, cols), np.nan, cupy.float16)
+        products(a, b, out, transpose_a=transpose_a, transpose_b=transpose_b)
+        got = cupy.asnumpy(out, stream=stream)
+    assert_is_the_product(got, a, b, transpose_a, transpose_b)
+
+
+def test_a_captured_product_reads_its_operands_at_each_replay() -> None:
+    rng = np.random.default_rng(7)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    products = Products(stream)
+    with stream:
+        a, b, out = fp16(rng, 512, 64), fp16(rng, 64, 64), cupy.zeros((512, 64), cupy.float16)
+        products(a, b, out)  # eager, once
+        eager = cupy.asnumpy(out, stream=stream)
+        out.fill(0)
+        stream.begin_capture()
+        try:
+            products(a, b, out)
+        finally:
+            graph = stream.end_capture()
+        assert not out.any()  # capturing ran nothing
+        graph.launch(stream)
+        assert cupy.asnumpy(out, stream=stream).tobytes() == eager.tobytes()  # same bits, replayed
+        a[...] = fp16(rng, 512, 64)  # new data at the same address
+        graph.launch(stream)
+        replayed = cupy.asnumpy(out, stream=stream)
+    assert replayed.tobytes() != eager.tobytes()
+    assert_is_the_product(replayed, a, b, False, False)
+
+
+def test_products_refuse_what_they_cannot_multiply() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    products = Products(stream)
+    a, b = cupy.zeros((4, 8), cupy.float16), cupy.zeros((8, 3), cupy.float16)
+    with pytest.raises(ValueError, match=r"'a': expected a 2-D C-contiguous float16 array, got float32"):
+        products(a.astype(cupy.float32), b, cupy.zeros((4, 3), cupy.float16))
+    with pytest.raises(ValueError, match=r"'b': expected a 2-D C-contiguous"):
+        products(a, cupy.zeros((3, 8), cupy.float16).T, cupy.zeros((4, 3), cupy.float16))
+    with pytest.raises(ValueError, match=r"cannot multiply \(4, 8\) by \(8, 3\) into \(4, 4\)"):
+        products(a, b, cupy.zeros((4, 4), cupy.float16))
+    with pytest.raises(ValueError, match=r"transpose_a=True"):
+        products(a, b, cupy.zeros((4, 3), cupy.float16), transpose_a=True)
+
+
+def every_kind_of_float32() -> np.ndarray:
+    """Normals, fp16 subnormals and ties, overflow to inf, inf and nan, both signs."""
+    values = [0.0, 1.0, 65504.0, 65520.0, 1e6, np.inf, np.nan, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 2.0**-14]
+    values += [1 + 2.0**-11, 1 + 3 * 2.0**-11, 6e-8, 1e-9, 0.1]
+    values = np.array(values + [-v for v in values], dtype=np.float32)
+    return np.concatenate([values, np.random.default_rng(3).standard_normal(5000).astype(np.float32) * 100])
+
+
+def assert_same_values(got: np.ndarray, expected: np.ndarray) -> None:
+    """Bit for bit, except that a NaN may carry another payload (the GPU writes its canonical NaN)."""
+    nan = np.isnan(expected)
+    assert (np.isnan(got) == nan).all()
+    assert got[~nan].tobytes() == expected[~nan].tobytes()
+
+
+def test_one_launch_casts_every_array_as_numpy_does() -> None:
+    base = every_kind_of_float32()
+    sources = [cupy.asarray(base), cupy.asarray(base[:7].reshape(1, 7)), cupy.asarray(base[::-1].copy())]
+    narrow_out = [cupy.full(s.shape, 7, cupy.float16) for s in sources]
+    _CastAll(sources, narrow_out)()
+    with np.errstate(over="ignore"):
+        for source, out in zip(sources, narrow_out):
+            assert_same_values(cupy.asnumpy(out), cupy.asnumpy(source).astype(np.float16))
+    widened = [cupy.full(s.shape, 7, cupy.float32) for s in narrow_out]
+    _CastAll(narrow_out, widened)()
+    for half, out in zip(narrow_out, widened):  # subnormal halves survive: the cast does not flush to zero
+        assert_same_values(cupy.asnumpy(out), cupy.asnumpy(half).astype(np.float32))
+    assert (cupy.asnumpy(widened[0])[np.abs(base) == 2.0**-24] != 0).all()
+    with pytest.raises(ValueError, match=r"cannot cast \(3,\) into \(4,\)"):
+        _CastAll([cupy.zeros(3, cupy.float32)], [cupy.zeros(4, cupy.float16)])
+
+
+@pytest.mark.parametrize("rows", [512, 700, 3])
+def test_the_softmax_kernel_gives_numpys_probabilities_loss_and_accuracy(rows: int) -> None:
+    rng = np.random.default_rng(rows)
+    classes = 5
+    logits = (rng.standard_normal((rows, classes)) * 4).astype(np.float16)
+    labels = rng.integers(0, classes, rows)
+    probs, loss, accuracy, seed = (cupy.full(shape, np.nan, cupy.float32) for shape in ((rows, classes), (), (), ()))
+    kernel = _KERNELS.get_function("cupy_amp_demo_softmax_xent")
+    arguments = (cupy.asarray(logits), cupy.asarray(labels), np.int64(rows), np.int64(classes), probs, loss, accuracy)
+    kernel((1,), (_ROW_THREADS,), (*arguments, seed))
+    z = logits.astype(np.float64)
+    expected = np.exp(z - z.max(axis=1, keepdims=True))
+    expected /= expected.sum(axis=1, keepdims=True)
+    np.testing.assert_allclose(cupy.asnumpy(probs), expected, rtol=1e-5, atol=1e-7)
+    expected_loss = -np.log(np.maximum(expected[np.arange(rows), labels], 1e-30)).mean()
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-5)
+    assert float(accuracy) == pytest.approx((logits.argmax(axis=1) == labels).mean(), rel=1e-6)
+    assert float(seed) == 1.0
