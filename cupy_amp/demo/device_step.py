@@ -6,12 +6,14 @@ every buffer is allocated once (a graph replays fixed addresses), the batch is
 picked on the device from indices uploaded a chunk of steps at a time, AdamW
 reads the scaler's factor and verdict on the device and leaves everything
 untouched after an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
-device records that the host reads once per chunk. CuPy refuses cuBLAS calls
-inside a stream capture, so the matrix products go through a cuBLAS handle of
-the trainer's own (:mod:`cupy_amp.demo.products`): fp16 inputs, fp32 sums,
-rounded to fp16, as in :func:`~cupy_amp.demo.model.forward`, though with
-cuBLAS's fp16 kernels rather than the fp32 ones ``cupy.matmul`` picks there, so
-the numbers differ from the synchronous demo's in the last bits.
+device records that the host reads once per chunk. Every launch is built once
+with its arguments: the demo's own kernels (:mod:`cupy_amp.demo.device_kernels`)
+and the matrix products, which go through a cuBLAS handle of the trainer's own
+(:mod:`cupy_amp.demo.products`; CuPy refuses cuBLAS calls inside a stream
+capture): fp16 inputs, fp32 sums, rounded to fp16, as in
+:func:`~cupy_amp.demo.model.forward`, though with cuBLAS's fp16 kernels rather
+than the fp32 ones ``cupy.matmul`` picks there, so the numbers differ from the
+synchronous demo's in the last bits.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all, kernel
 from cupy_amp.demo.model import Dataset, batch_indices, cross_entropy, forward
 from cupy_amp.demo.products import Products
 from cupy_amp.demo.settings import Settings
@@ -29,151 +32,6 @@ from cupy_amp.demo.training import RunState, StepOutcome
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 __all__ = ["DeviceTrainer"]
-
-# The forward layer's epilogue: z + bias, then ReLU except on the last layer.
-_BIAS_RELU = cupy.ElementwiseKernel(
-    "T z, T bias, bool relu", "T out", "T y = z + bias; out = (relu && y < (T)0) ? (T)0 : y;", "cupy_amp_demo_bias"
-)
-# The batch of the step numbered *counter: rows of the training set, picked by the uploaded indices.
-_GATHER = cupy.ElementwiseKernel(
-    "raw float32 x, raw int64 y, raw int64 indices, raw int64 counter, int64 chunk, int64 batch, int64 features",
-    "float16 x_out, raw int64 y_out",
-    """
-    const long long row = i / features, feature = i % features;
-    const long long example = indices[(counter[0] % chunk) * batch + row];
-    x_out = (float16)x[example * features + feature];
-    if (feature == 0) y_out[row] = y[example];
-    """,
-    "cupy_amp_demo_gather",
-)
-# d(training loss)/d(logits) in fp32, rounded to fp16: the backward pass's seed is the loss weight times
-# the scale (read on the device), divided by the batch size in float64 as model.backward does.
-_LOGIT_GRAD = cupy.ElementwiseKernel(
-    "float32 probs, raw int64 labels, raw float32 scale, int64 classes, float64 loss_weight, int64 batch",
-    "float16 out",
-    """
-    const float factor = (float)((double)scale[0] * loss_weight / (double)batch);
-    out = (float16)((probs - (labels[i / classes] == i % classes ? 1.0f : 0.0f)) * factor);
-    """,
-    "cupy_amp_demo_logit_grad",
-)
-_RELU_GRAD = cupy.ElementwiseKernel("T g, T h", "T out", "out = h > (T)0 ? g : (T)0;", "cupy_amp_demo_relu_grad")
-# One record per step in a ring of `chunk` slots; then the step counter moves on.
-_RECORD = cupy.ElementwiseKernel(
-    "float32 loss, float32 accuracy, float32 scale, raw bool finite, int64 chunk",
-    "raw int64 counter, raw float32 losses, raw float32 accuracies, raw float32 scales, raw bool finites",
-    """
-    const long long slot = counter[0] % chunk;
-    losses[slot] = loss;
-    accuracies[slot] = accuracy;
-    scales[slot] = scale;
-    finites[slot] = finite[0];
-    counter[0] += 1;
-    """,
-    "cupy_amp_demo_record",
-)
-
-
-# The demo's kernels that CuPy's elementwise kernels cannot express in one launch.
-_KERNELS = cupy.RawModule(
-    code=r"""
-__device__ float from_half(unsigned short h) {
-    float x;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(x) : "h"(h));
-    return x;
-}
-__device__ unsigned short to_half(float x) {
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(x));
-    return h;
-}
-
-// Casts between the fp16 copies and the fp32 arrays of every parameter (the step would otherwise pay a
-// launch per array): table rows are (source address, destination address, elements).
-template <typename From, typename To, To (*convert)(From)>
-__device__ void cast_all(const unsigned long long* table, int arrays) {
-    const long long first = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    const long long stride = (long long)gridDim.x * blockDim.x;
-    for (int t = 0; t < arrays; ++t) {
-        const From* from = (const From*)table[3 * t];
-        To* to = (To*)table[3 * t + 1];
-        const long long elements = (long long)table[3 * t + 2];
-        for (long long i = first; i < elements; i += stride) to[i] = convert(from[i]);
-    }
-}
-extern "C" __global__ void cupy_amp_demo_widen(const unsigned long long* table, int arrays) {
-    cast_all<unsigned short, float, from_half>(table, arrays);
-}
-extern "C" __global__ void cupy_amp_demo_narrow(const unsigned long long* table, int arrays) {
-    cast_all<float, unsigned short, to_half>(table, arrays);
-}
-
-// One block of kRowThreads: per row, the softmax of the fp16 logits in fp32, then the batch's mean
-// cross-entropy and accuracy (summed in a fixed order: the same bits on every run), and the backward
-// pass's seed, d(loss)/d(loss) = 1, for scale_loss to scale.
-constexpr int kRowThreads = 512;
-extern "C" __global__ void __launch_bounds__(kRowThreads) cupy_amp_demo_softmax_xent(
-    const unsigned short* logits, const long long* labels, long long rows, long long classes,
-    float* probs, float* mean_loss, float* accuracy, float* seed) {
-    __shared__ float losses[kRowThreads], rights[kRowThreads];
-    float loss = 0.0f, right = 0.0f;
-    for (long long row = threadIdx.x; row < rows; row += kRowThreads) {
-        const unsigned short* z = logits + row * classes;
-        float* p = probs + row * classes;
-        float top = from_half(z[0]);
-        long long best = 0;
-        for (long long c = 1; c < classes; ++c) {
-            if (from_half(z[c]) > top) {
-                top = from_half(z[c]);
-                best = c;
-            }
-        }
-        float total = 0.0f;
-        for (long long c = 0; c < classes; ++c) {
-            p[c] = expf(from_half(z[c]) - top);
-            total += p[c];
-        }
-        for (long long c = 0; c < classes; ++c) p[c] /= total;
-        loss += -logf(fmaxf(p[labels[row]], 1e-30f));
-        right += best == labels[row] ? 1.0f : 0.0f;
-    }
-    losses[threadIdx.x] = loss;
-    rights[threadIdx.x] = right;
-    for (int half = kRowThreads / 2; half > 0; half /= 2) {
-        __syncthreads();
-        if (threadIdx.x < half) {
-            losses[threadIdx.x] += losses[threadIdx.x + half];
-            rights[threadIdx.x] += rights[threadIdx.x + half];
-        }
-    }
-    if (threadIdx.x == 0) {
-        *mean_loss = losses[0] / (float)rows;
-        *accuracy = rights[0] / (float)rows;
-        *seed = 1.0f;
-    }
-}
-""",
-)
-_ROW_THREADS = 512  # kRowThreads
-_CAST_BLOCKS, _CAST_THREADS = 64, 256
-
-
-class _CastAll:
-    """``to[k] = from_[k]`` cast, for fixed lists of same-shaped C-contiguous arrays (fp16 <-> fp32), in one launch."""
-
-    def __init__(self, from_: list[Any], to: list[Any]) -> None:
-        for source, target in zip(from_, to, strict=True):
-            if source.shape != target.shape or not (source.flags.c_contiguous and target.flags.c_contiguous):
-                raise ValueError(f"cannot cast {source.shape} into {target.shape}: same-shaped C-contiguous only")
-        widen = from_[0].dtype == cupy.float16
-        self._kernel = _KERNELS.get_function("cupy_amp_demo_widen" if widen else "cupy_amp_demo_narrow")
-        rows = [(source.data.ptr, target.data.ptr, source.size) for source, target in zip(from_, to)]
-        self._table = cupy.asarray(np.array(rows, dtype=np.uint64))
-        self._keep = (from_, to)  # the table holds their addresses
-        self._arguments = (self._table, np.int32(len(rows)))
-
-    def __call__(self) -> None:
-        self._kernel((_CAST_BLOCKS,), (_CAST_THREADS,), self._arguments)
 
 
 class DeviceTrainer:
@@ -227,14 +85,79 @@ class DeviceTrainer:
         self._grad_list = list(self._master_grads.values())  # in the optimizer's parameter order
         self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
         self._prepared = self.scaler.prepare(self._master_grads)
-        self._ones = cupy.ones((1, batch), cupy.float16)  # a bias gradient is the column sums: ones @ delta
-        self._products = Products(self.stream)  # bound to the trainer's stream, where every step runs
-        self._widen_grads = _CastAll(list(self._grads16.values()), self._grad_list)
-        self._narrow_weights = _CastAll(list(masters.values()), list(self._weights.values()))
-        self._softmax_xent = _KERNELS.get_function("cupy_amp_demo_softmax_xent")
-        logits, classes = self._outputs[-1], widths[-1]
-        sizes = (np.int64(batch), np.int64(classes))
-        self._softmax_arguments = (logits, self._y, *sizes, self._probs, self._loss, self._accuracy, self._scale)
+        self._bind_launches(settings, batch, features, widths)
+
+    def _bind_launches(self, settings: Settings, batch: int, features: int, widths: list[int]) -> None:
+        """Build every launch of a step once, arguments and all (the buffers never move)."""
+        layers, rows = self._layers, np.int64(batch)
+        products = Products(self.stream)  # bound to the trainer's stream, where every step runs
+        inputs = [self._x, *self._outputs[:-1]]
+        forward: list[Callable[[], None]] = [
+            Launch(
+                "gather",
+                self._x_train,
+                self._y_train,
+                self._indices,
+                self._counter,
+                np.int64(self.chunk),
+                rows,
+                np.int64(features),
+                self._x,
+                self._y,
+                elements=self._x.size,
+            )
+        ]
+        for i in range(1, layers + 1):
+            out = self._outputs[i - 1]
+            forward.append(products.bind(inputs[i - 1], self._weights[f"W{i}"], out))
+            relu = np.int32(i < layers)
+            forward.append(
+                Launch("bias_relu", out, self._weights[f"b{i}"], rows, np.int64(out.shape[1]), relu, elements=out.size)
+            )
+        classes = np.int64(widths[-1])
+        forward.append(
+            Launch(
+                "softmax_xent",
+                self._outputs[-1],
+                self._y,
+                rows,
+                classes,
+                self._probs,
+                self._loss,
+                self._accuracy,
+                self._scale,
+                grid=1,
+                block=ROW_THREADS,
+            )
+        )
+        backward: list[Callable[[], None]] = [
+            Launch(
+                "logit_grad",
+                self._probs,
+                self._y,
+                self._scale,
+                rows,
+                classes,
+                np.float64(settings.loss_weight),
+                self._deltas[-1],
+                elements=self._probs.size,
+            )
+        ]
+        ones = cupy.ones((1, batch), cupy.float16)  # a bias gradient is the column sums: ones @ delta
+        for i in range(layers, 0, -1):
+            delta = self._deltas[i - 1]
+            backward.append(products.bind(inputs[i - 1], delta, self._grads16[f"W{i}"], transpose_a=True))
+            backward.append(products.bind(ones, delta, self._grads16[f"b{i}"].reshape(1, -1)))
+            if i > 1:
+                below = self._deltas[i - 2]
+                backward.append(products.bind(delta, self._weights[f"W{i}"], below, transpose_b=True))
+                backward.append(
+                    Launch("relu_grad", below, self._outputs[i - 2], np.int64(below.size), elements=below.size)
+                )
+        backward.append(cast_all(list(self._grads16.values()), self._grad_list))  # upcast the scaled fp16 grads
+        self._forward, self._backward = forward, backward
+        self._narrow_weights = cast_all(list(self.state.masters.values()), list(self._weights.values()))
+        self._record = kernel("record")  # its argument stats.finite is check()'s, given at each step
 
     def step(self) -> None:
         """Queue one step on the trainer's stream: device work only, capturable (in a capture of that stream).
@@ -245,36 +168,31 @@ class DeviceTrainer:
             self._queue_step()
 
     def _queue_step(self) -> None:
-        settings, layers = self.settings, self._layers
-        batch, features = self._x.shape
-        _GATHER(
-            self._x_train, self._y_train, self._indices, self._counter, self.chunk, batch, features, self._x, self._y
-        )
-        inputs = [self._x, *self._outputs[:-1]]
-        for i in range(1, layers + 1):
-            self._products(inputs[i - 1], self._weights[f"W{i}"], self._outputs[i - 1])
-            _BIAS_RELU(self._outputs[i - 1], self._weights[f"b{i}"], i < layers, self._outputs[i - 1])
-        classes = self._probs.shape[1]
-        self._softmax_xent((1,), (_ROW_THREADS,), self._softmax_arguments)
-        # The scale, as a loss of 1.0 scaled (a framework's backward pass would start from the scaled loss).
+        for launch in self._forward:  # the batch, the layers, the softmax: loss, accuracy and the seed 1.0
+            launch()
+        # The seed scaled, as a framework's backward pass would start from the scaled loss.
         self.scaler.scale_loss(self._scale)
-        _LOGIT_GRAD(self._probs, self._y, self._scale, classes, settings.loss_weight, batch, self._deltas[-1])
-        for i in range(layers, 0, -1):
-            delta = self._deltas[i - 1]
-            self._products(inputs[i - 1], delta, self._grads16[f"W{i}"], transpose_a=True)
-            self._products(self._ones, delta, self._grads16[f"b{i}"].reshape(1, -1))
-            if i > 1:
-                below = self._deltas[i - 2]
-                self._products(delta, self._weights[f"W{i}"], below, transpose_b=True)
-                _RELU_GRAD(below, self._outputs[i - 2], below)
-        self._widen_grads()  # the scaled fp16 gradients, upcast to fp32
+        for launch in self._backward:
+            launch()
         # One read of the gradients for inf/nan and the norm; the fused AdamW unscales, clips and updates the
         # masters in one pass, or leaves everything untouched after an overflow (its verdict stays on the device).
-        stats = self.scaler.check(self._prepared, max_norm=settings.clip * settings.loss_weight)
+        stats = self.scaler.check(self._prepared, max_norm=self.settings.clip * self.settings.loss_weight)
         self.state.optimizer.step(self._grad_list, stats)
         self._narrow_weights()
         self.scaler.update()
-        _RECORD(self._loss, self._accuracy, self._scale, stats.finite, self.chunk, self._counter, *self._records)
+        self._record(
+            (1,),
+            (1,),
+            (
+                self._loss,
+                self._accuracy,
+                self._scale,
+                stats.finite,
+                np.int64(self.chunk),
+                self._counter,
+                *self._records,
+            ),
+        )
 
     def run(
         self, total: int, on_step: Callable[[StepOutcome], None], on_chunk: Callable[[int], None], boundary: int

@@ -56,7 +56,7 @@ def _check(status: int, call: str) -> None:
 
 
 class Products:
-    """``out = op(a) @ op(b)`` on one stream, for 2-D C-contiguous fp16 arrays; each call is one cuBLAS launch.
+    """Matrix products on one stream, for 2-D C-contiguous fp16 arrays; each call is one cuBLAS launch.
 
     The handle is bound to ``stream`` for good and owns its workspace, so the
     calls can be captured in a CUDA graph on that stream (or run eagerly on it).
@@ -77,8 +77,11 @@ class Products:
         _check(library.cublasSetMathMode(handle, _NO_REDUCED_PRECISION_REDUCTION), "cublasSetMathMode")
         self._one, self._zero = ctypes.c_float(1.0), ctypes.c_float(0.0)
 
-    def __call__(self, a: Any, b: Any, out: Any, *, transpose_a: bool = False, transpose_b: bool = False) -> None:
-        """Queue ``out = op(a) @ op(b)``, where op transposes where asked.
+    def bind(self, a: Any, b: Any, out: Any, *, transpose_a: bool = False, transpose_b: bool = False) -> _Product:
+        """Return the call ``out = op(a) @ op(b)`` (op: a transpose where asked) with its arguments fixed.
+
+        The arrays must keep their buffers (a graph replays the addresses); the
+        returned call holds them, so they live as long as it does.
 
         Raises:
             ValueError: An array is not 2-D C-contiguous fp16, or the shapes do not chain.
@@ -94,7 +97,7 @@ class Products:
             transposes = f"transpose_a={transpose_a}, transpose_b={transpose_b}"
             raise ValueError(f"cannot multiply {a.shape} by {b.shape} into {out.shape} ({transposes})")
         # cuBLAS is column-major: a row-major (r, c) array is its (c, r) transpose, so out.T = op(b).T @ op(a).T.
-        status = self._library.cublasGemmEx(
+        arguments = (
             self._handle,
             _OP_T if transpose_b else _OP_N,
             _OP_T if transpose_a else _OP_N,
@@ -115,4 +118,16 @@ class Products:
             _COMPUTE_32F,
             _GEMM_DEFAULT,
         )
-        _check(status, "cublasGemmEx")
+        return _Product(self, arguments, (a, b, out))
+
+
+class _Product:
+    """One bound ``cublasGemmEx`` call (see :meth:`Products.bind`)."""
+
+    def __init__(self, products: Products, arguments: tuple[Any, ...], arrays: tuple[Any, ...]) -> None:
+        self._gemm = products._library.cublasGemmEx
+        self._arguments = arguments
+        self._keep = (products, arrays)  # the handle, its workspace and the operands outlive the call
+
+    def __call__(self) -> None:
+        _check(self._gemm(*self._arguments), "cublasGemmEx")

@@ -6,7 +6,7 @@ import cupy
 import numpy as np
 import pytest
 
-from cupy_amp.demo.device_step import _KERNELS, _ROW_THREADS, _CastAll
+from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all
 from cupy_amp.demo.products import Products
 
 
@@ -44,7 +44,7 @@ def test_a_product_is_the_fp16_rounding_of_an_fp32_sum(
         a = fp16(rng, *((inner, rows) if transpose_a else (rows, inner)))
         b = fp16(rng, *((cols, inner) if transpose_b else (inner, cols)))
         out = cupy.full((rows, cols), np.nan, cupy.float16)
-        products(a, b, out, transpose_a=transpose_a, transpose_b=transpose_b)
+        products.bind(a, b, out, transpose_a=transpose_a, transpose_b=transpose_b)()
         got = cupy.asnumpy(out, stream=stream)
     assert_is_the_product(got, a, b, transpose_a, transpose_b)
 
@@ -55,12 +55,13 @@ def test_a_captured_product_reads_its_operands_at_each_replay() -> None:
     products = Products(stream)
     with stream:
         a, b, out = fp16(rng, 512, 64), fp16(rng, 64, 64), cupy.zeros((512, 64), cupy.float16)
-        products(a, b, out)  # eager, once
+        product = products.bind(a, b, out)
+        product()  # eager, once
         eager = cupy.asnumpy(out, stream=stream)
         out.fill(0)
         stream.begin_capture()
         try:
-            products(a, b, out)
+            product()
         finally:
             graph = stream.end_capture()
         assert not out.any()  # capturing ran nothing
@@ -78,13 +79,13 @@ def test_products_refuse_what_they_cannot_multiply() -> None:
     products = Products(stream)
     a, b = cupy.zeros((4, 8), cupy.float16), cupy.zeros((8, 3), cupy.float16)
     with pytest.raises(ValueError, match=r"'a': expected a 2-D C-contiguous float16 array, got float32"):
-        products(a.astype(cupy.float32), b, cupy.zeros((4, 3), cupy.float16))
+        products.bind(a.astype(cupy.float32), b, cupy.zeros((4, 3), cupy.float16))
     with pytest.raises(ValueError, match=r"'b': expected a 2-D C-contiguous"):
-        products(a, cupy.zeros((3, 8), cupy.float16).T, cupy.zeros((4, 3), cupy.float16))
+        products.bind(a, cupy.zeros((3, 8), cupy.float16).T, cupy.zeros((4, 3), cupy.float16))
     with pytest.raises(ValueError, match=r"cannot multiply \(4, 8\) by \(8, 3\) into \(4, 4\)"):
-        products(a, b, cupy.zeros((4, 4), cupy.float16))
+        products.bind(a, b, cupy.zeros((4, 4), cupy.float16))
     with pytest.raises(ValueError, match=r"transpose_a=True"):
-        products(a, b, cupy.zeros((4, 3), cupy.float16), transpose_a=True)
+        products.bind(a, b, cupy.zeros((4, 3), cupy.float16), transpose_a=True)
 
 
 def every_kind_of_float32() -> np.ndarray:
@@ -106,17 +107,19 @@ def test_one_launch_casts_every_array_as_numpy_does() -> None:
     base = every_kind_of_float32()
     sources = [cupy.asarray(base), cupy.asarray(base[:7].reshape(1, 7)), cupy.asarray(base[::-1].copy())]
     narrow_out = [cupy.full(s.shape, 7, cupy.float16) for s in sources]
-    _CastAll(sources, narrow_out)()
+    cast_all(sources, narrow_out)()
     with np.errstate(over="ignore"):
         for source, out in zip(sources, narrow_out):
             assert_same_values(cupy.asnumpy(out), cupy.asnumpy(source).astype(np.float16))
     widened = [cupy.full(s.shape, 7, cupy.float32) for s in narrow_out]
-    _CastAll(narrow_out, widened)()
+    cast_all(narrow_out, widened)()
     for half, out in zip(narrow_out, widened):  # subnormal halves survive: the cast does not flush to zero
         assert_same_values(cupy.asnumpy(out), cupy.asnumpy(half).astype(np.float32))
     assert (cupy.asnumpy(widened[0])[np.abs(base) == 2.0**-24] != 0).all()
     with pytest.raises(ValueError, match=r"cannot cast \(3,\) into \(4,\)"):
-        _CastAll([cupy.zeros(3, cupy.float32)], [cupy.zeros(4, cupy.float16)])
+        cast_all([cupy.zeros(3, cupy.float32)], [cupy.zeros(4, cupy.float16)])
+    with pytest.raises(ValueError, match=r"cannot cast float32 into float32"):
+        cast_all([cupy.zeros(3, cupy.float32)], [cupy.zeros(3, cupy.float32)])
 
 
 @pytest.mark.parametrize("rows", [512, 700, 3])
@@ -126,9 +129,8 @@ def test_the_softmax_kernel_gives_numpys_probabilities_loss_and_accuracy(rows: i
     logits = (rng.standard_normal((rows, classes)) * 4).astype(np.float16)
     labels = rng.integers(0, classes, rows)
     probs, loss, accuracy, seed = (cupy.full(shape, np.nan, cupy.float32) for shape in ((rows, classes), (), (), ()))
-    kernel = _KERNELS.get_function("cupy_amp_demo_softmax_xent")
     arguments = (cupy.asarray(logits), cupy.asarray(labels), np.int64(rows), np.int64(classes), probs, loss, accuracy)
-    kernel((1,), (_ROW_THREADS,), (*arguments, seed))
+    Launch("softmax_xent", *arguments, seed, grid=1, block=ROW_THREADS)()
     z = logits.astype(np.float64)
     expected = np.exp(z - z.max(axis=1, keepdims=True))
     expected /= expected.sum(axis=1, keepdims=True)
@@ -137,3 +139,47 @@ def test_the_softmax_kernel_gives_numpys_probabilities_loss_and_accuracy(rows: i
     assert float(loss) == pytest.approx(expected_loss, rel=1e-5)
     assert float(accuracy) == pytest.approx((logits.argmax(axis=1) == labels).mean(), rel=1e-6)
     assert float(seed) == 1.0
+
+
+def test_the_elementwise_kernels_compute_what_numpy_computes_in_fp16() -> None:
+    rng = np.random.default_rng(11)
+    rows, width, classes = 300, 64, 5
+    z = (rng.standard_normal((rows, width)) * 3).astype(np.float16)
+    bias = rng.standard_normal(width).astype(np.float16)
+    for relu in (0, 1):
+        out = cupy.asarray(z)
+        Launch("bias_relu", out, cupy.asarray(bias), np.int64(rows), np.int64(width), np.int32(relu), elements=z.size)()
+        expected = (z.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+        if relu:
+            expected = np.where(expected < 0, np.float16(0), expected)
+        assert cupy.asnumpy(out).tobytes() == expected.tobytes()
+
+    g, h = rng.standard_normal((rows, width)).astype(np.float16), np.maximum(z, 0)
+    out = cupy.asarray(g)
+    Launch("relu_grad", out, cupy.asarray(h), np.int64(g.size), elements=g.size)()
+    assert cupy.asnumpy(out).tobytes() == np.where(h > 0, g, np.float16(0)).tobytes()
+
+    probs = rng.random((rows, classes)).astype(np.float32)
+    labels = rng.integers(0, classes, rows)
+    scale, loss_weight = np.float32(2.0**20), 2.0**-13
+    out = cupy.empty((rows, classes), cupy.float16)
+    arguments = (cupy.asarray(probs), cupy.asarray(labels), cupy.asarray(scale), np.int64(rows), np.int64(classes))
+    Launch("logit_grad", *arguments, np.float64(loss_weight), out, elements=probs.size)()
+    factor = np.float32(float(scale) * loss_weight / rows)
+    expected = ((probs - np.eye(classes, dtype=np.float32)[labels]) * factor).astype(np.float16)
+    assert cupy.asnumpy(out).tobytes() == expected.tobytes()
+
+
+def test_the_gather_kernel_picks_the_counted_steps_batch() -> None:
+    rng = np.random.default_rng(5)
+    examples, features, batch, chunk = 100, 3, 8, 4
+    x, y = rng.standard_normal((examples, features)).astype(np.float32), rng.integers(0, 5, examples)
+    indices = rng.integers(0, examples, (chunk, batch))
+    x_out, y_out = cupy.empty((batch, features), cupy.float16), cupy.empty(batch, cupy.int64)
+    for counter in (0, 6):  # the ring slot is the counter modulo the chunk
+        arguments = (cupy.asarray(x), cupy.asarray(y), cupy.asarray(indices), cupy.asarray(np.int64(counter)))
+        sizes = (np.int64(chunk), np.int64(batch), np.int64(features))
+        Launch("gather", *arguments, *sizes, x_out, y_out, elements=batch * features)()
+        picked = indices[counter % chunk]
+        assert cupy.asnumpy(x_out).tobytes() == x[picked].astype(np.float16).tobytes()
+        assert cupy.asnumpy(y_out).tolist() == y[picked].tolist()
