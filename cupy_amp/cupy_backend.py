@@ -267,20 +267,27 @@ class DeviceState:
         Raises:
             ScalerProtocolError: They must be made inside a CUDA graph capture.
         """
-        key = id(group.table.memory)
-        entry = self._culprit_flags.get(key)
-        if entry is None or entry[0]() is not group.table.memory:
+        flags = self._known_flags(group)
+        if flags is None:
             refuse_capture("the scaler's culprit flags for these gradients must first be made")
             with _on_device(self.device):
                 flags = cupy.zeros(len(group.table.sizes), dtype=np.uint64)  # on the stream the launch uses
-            known = self._culprit_flags  # the callback holds the dict, not the state
+            key, known = id(group.table.memory), self._culprit_flags  # the callback holds the dict, not the state
 
             def forget(_: object, key: int = key) -> None:
                 known.pop(key, None)
 
-            entry = (weakref.ref(group.table.memory, forget), flags)
-            self._culprit_flags[key] = entry
-        return int(entry[1].data.ptr)
+            self._culprit_flags[key] = (weakref.ref(group.table.memory, forget), flags)
+        return int(flags.data.ptr)
+
+    def _known_flags(self, group: GradientGroup) -> cupy.ndarray | None:
+        """Return this state's culprit flags for ``group``'s table, or None if it never launched over that table.
+
+        Keyed by the table's address, and checked against the table itself: a
+        new table at a freed one's address is a table these flags never saw.
+        """
+        entry = self._culprit_flags.get(id(group.table.memory))
+        return entry[1] if entry is not None and entry[0]() is group.table.memory else None
 
     def unscale(self, call: Any) -> None:
         """Queue the unscale of a parsed call (its arrays on this device), reading factor and epoch from the State.
@@ -381,10 +388,10 @@ class DeviceState:
             with self._order:
                 self._last_stream = None
             for group in plan or ():
-                entry = self._culprit_flags.get(id(group.table.memory))
-                if entry is None or entry[0]() is not group.table.memory:
+                flags = self._known_flags(group)
+                if flags is None:
                     continue  # this state never launched over the table: nothing of it was flagged here
-                seen = entry[1].get()
+                seen = flags.get()
                 positions += [group.positions[i] for i in np.flatnonzero(seen == epoch)]
         return tuple(sorted(positions))
 
