@@ -556,3 +556,16 @@ def test_the_readme_compare_table_is_what_the_demo_prints() -> None:
     lines = result.out.splitlines()
     start = lines.index(header)
     assert lines[start : start + len(table)] == table
+
+
+def test_a_cublas_that_does_not_load_is_a_demo_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("cupy")
+    from cupy_amp.demo import products
+    from cupy_amp.demo.settings import DemoError
+
+    def refuse(name: str, *args: object, **kwargs: object) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(products.ctypes, "CDLL", refuse)
+    with pytest.raises(DemoError, match="the demo's device step calls cuBLAS, which does not load"):
+        products._library()

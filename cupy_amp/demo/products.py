@@ -20,6 +20,8 @@ from typing import Any
 import cupy
 import numpy as np
 
+from cupy_amp.demo.settings import DemoError
+
 __all__ = ["Products"]
 
 _OP_N, _OP_T = 0, 1  # cublasOperation_t
@@ -31,12 +33,19 @@ _WORKSPACE_BYTES = 32 << 20  # what NVIDIA's cuBLAS guide suggests for Hopper; m
 
 
 def _library() -> ctypes.CDLL:
-    """Return the cuBLAS that CuPy loaded (the soname finds the copy already in the process)."""
-    from cupy_backends.cuda.libs import cublas as cupy_cublas  # loads the library: not at import time
+    """Return the cuBLAS that CuPy loaded (the soname finds the copy already in the process).
 
-    major = cupy_cublas.getVersion(cupy.cuda.device.get_cublas_handle()) // 10000
-    name = f"cublas64_{major}.dll" if sys.platform == "win32" else f"libcublas.so.{major}"
-    library = ctypes.CDLL(name)
+    Raises:
+        DemoError: CuPy's cuBLAS does not load.
+    """
+    try:
+        from cupy_backends.cuda.libs import cublas as cupy_cublas  # loads the library: not at import time
+
+        major = cupy_cublas.getVersion(cupy.cuda.device.get_cublas_handle()) // 10000
+        name = f"cublas64_{major}.dll" if sys.platform == "win32" else f"libcublas.so.{major}"
+        library = ctypes.CDLL(name)
+    except (ImportError, OSError, RuntimeError) as exc:  # pathfinder's not-found error is a RuntimeError
+        raise DemoError(f"the demo's device step calls cuBLAS, which does not load: {exc}") from exc
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.cublasCreate_v2.argtypes = [ctypes.POINTER(pointer)]
     library.cublasDestroy_v2.argtypes = [pointer]
@@ -52,7 +61,7 @@ def _library() -> ctypes.CDLL:
 
 def _check(status: int, call: str) -> None:
     if status != 0:
-        raise RuntimeError(f"cuBLAS {call} failed with status {status}")
+        raise DemoError(f"cuBLAS {call} failed with status {status} (a cublasStatus_t)")
 
 
 class Products:
