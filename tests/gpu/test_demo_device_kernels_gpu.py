@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import cupy
 import numpy as np
 import pytest
 
-from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all
-from cupy_amp.demo.products import Products
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all  # noqa: E402
+from cupy_amp.demo.products import Products  # noqa: E402
 
 
 def fp16(rng: np.random.Generator, *shape: int) -> cupy.ndarray:
