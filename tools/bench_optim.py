@@ -8,7 +8,8 @@ CUDA events, an L2 scrub before each timed run, medians):
   2 GiB device-to-device copy, and at the bandwidth of a streaming read; with
   the numerics report; and the scaler's whole step (``scale_loss``, ``check``,
   ``update``: GPU time, the host's hidden) beyond the read floor, run eagerly
-  and replayed as a CUDA graph;
+  and replayed as a CUDA graph; and one streaming read of as many bytes, in one
+  buffer (a single launch's ramp and tail included);
 - fused AdamW and SGD with momentum on float16 parameters with float32 master
   weights, against their floors (AdamW moves 28 bytes per parameter, SGD 20);
 - a whole step on GPT-2-XL float32 shapes: ours (``scale_loss``, ``check``,
@@ -77,13 +78,17 @@ extern "C" __global__ void read_floor(const uint4* data, long long vectors, unsi
 """
 
 
-def read_timer() -> Callable[[int], float]:
-    """Return a timer of a streaming read-only kernel over 2 GiB: the read floor."""
-    data = cupy.random.standard_normal(READ_BYTES // 4, dtype=cupy.float32)
+def read_timer(nbytes: int = READ_BYTES) -> Callable[[int], float]:
+    """Return a timer of a streaming read-only kernel over one buffer: over 2 GiB, the read floor.
+
+    Over a workload's own byte count it is what one launch reading that many
+    bytes takes, ramp and tail included: the fastest such a pass can be.
+    """
+    data = cupy.random.standard_normal(-(-nbytes // 16) * 4, dtype=cupy.float32)
     sink = cupy.zeros(1, dtype=cupy.uint32)
     kernel = cupy.RawKernel(_READ_SOURCE, "read_floor")
     blocks = 8 * cupy.cuda.Device().attributes["MultiProcessorCount"]
-    vectors = np.int64(READ_BYTES // 16)
+    vectors = np.int64(data.nbytes // 16)
     return cupy_event_timer(lambda _: kernel((blocks,), (512,), (data, vectors, sink)))
 
 
@@ -269,19 +274,21 @@ def main(argv: list[str] | None = None) -> int:
         timers["step"] = cupy_event_timer(run, COVER)  # scale_loss + check + update, the host hidden
         timers["report"] = stats_kernels_timer(grads, report=True)
         timers["graph"] = cupy_event_timer(captured(stats_timer(grads)[1]), COVER)  # a scaler of its own
+        timers["same_size_read"] = read_timer(sum(g.nbytes for g in grads))
         medians = interleaved_medians(timers, args.repeats)
         nbytes = sum(g.nbytes for g in grads)
         floor = nbytes / (COPY_BYTES / medians["copy"])  # at the copy bandwidth, bytes per microsecond
         read_floor = nbytes / (READ_BYTES / medians["read"])  # at the read bandwidth
         host = host_us(run, args.repeats)
         us, kernels, report, step = medians["stats"], medians["kernels"], medians["report"], medians["step"]
-        graph = medians["graph"]
+        graph, same_size = medians["graph"], medians["same_size_read"]
         results["stats"][name] = {
             "us": us, "floor_us": floor, "fraction": floor / us, "host_us": host, "kernels_us": kernels,
             "kernels_fraction": floor / kernels, "read_floor_us": read_floor, "read_fraction": read_floor / us,
             "kernels_read_fraction": read_floor / kernels, "report_kernels_us": report,
             "report_cost": report / kernels - 1.0, "step_us": step, "step_over_read_floor_us": step - read_floor,
             "graph_step_us": graph, "graph_step_over_read_floor_us": graph - read_floor,
+            "same_size_read_us": same_size, "same_size_read_fraction": same_size / us,
         }  # fmt: skip
         del grads, timers
         cupy.get_default_memory_pool().free_all_blocks()
@@ -290,7 +297,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({read_floor / us:.3f})  kernels alone {kernels:.1f} ({read_floor / kernels:.3f} of read)  "
             f"with report {report:.1f} ({100 * (report / kernels - 1):+.1f}%)  host {host:.1f} us  "
             f"step {step:.1f} (read floor {step - read_floor:+.1f} us)  "
-            f"captured {graph:.1f} (read floor {graph - read_floor:+.1f} us)"
+            f"captured {graph:.1f} (read floor {graph - read_floor:+.1f} us)  "
+            f"one read of as many bytes {same_size:.1f} us ({same_size / us:.3f} of check)"
         )
 
     for name, shapes in OPTIMIZER_WORKLOADS.items() if "optimizers" in parts else ():
