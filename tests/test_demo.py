@@ -558,14 +558,17 @@ def test_the_readme_compare_table_is_what_the_demo_prints() -> None:
     assert lines[start : start + len(table)] == table
 
 
-def test_a_cublas_that_does_not_load_is_a_demo_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_cublas_that_does_not_load_is_a_demo_error() -> None:
+    """Here (no GPU), CuPy's cuBLAS does not load: the demo says so, instead of an ImportError from CuPy."""
     pytest.importorskip("cupy")
+    try:
+        from cupy_backends.cuda.libs import cublas  # noqa: F401
+    except Exception:  # what the demo turns into its own error
+        pass
+    else:
+        pytest.skip("cuBLAS loads here (the GPU suite covers a library that then fails to open)")
     from cupy_amp.demo import products
     from cupy_amp.demo.settings import DemoError
 
-    def refuse(name: str, *args: object, **kwargs: object) -> None:
-        raise OSError(f"{name}: cannot open shared object file")
-
-    monkeypatch.setattr(products.ctypes, "CDLL", refuse)
-    with pytest.raises(DemoError, match="the demo's device step calls cuBLAS, which does not load"):
+    with pytest.raises(DemoError, match=r"the demo's device step calls cuBLAS, which does not load: .+"):
         products._library()

@@ -167,7 +167,8 @@ def captured(run: Callable[[int], object]) -> Callable[[int], object]:
             run(0)
         finally:
             graph = stream.end_capture()
-    return lambda i: graph.launch(cupy.cuda.get_current_stream())
+    # A graph holds no Python references: the replays keep `run` (its scaler, state and tables) alive themselves.
+    return lambda i, _owners=(run, stream): graph.launch(cupy.cuda.get_current_stream())
 
 
 def stats_kernels_timer(grads: list[cupy.ndarray], report: bool = False) -> Callable[[int], float]:

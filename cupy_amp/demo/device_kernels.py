@@ -78,7 +78,8 @@ extern "C" __global__ void __launch_bounds__(kRowThreads) cupy_amp_demo_softmax_
             total += p[c];
         }
         for (long long c = 0; c < classes; ++c) p[c] /= total;
-        loss += -logf(fmaxf(p[labels[row]], 1e-30f));
+        const float picked = p[labels[row]];
+        loss += -logf(picked < 1e-30f ? 1e-30f : picked);  // a NaN stays NaN, as in model.cross_entropy
         right += best == labels[row] ? 1.0f : 0.0f;
     }
     losses[threadIdx.x] = loss;
@@ -146,7 +147,7 @@ extern "C" __global__ void cupy_amp_demo_record(const float* loss, const float* 
 """
 _MODULE = cupy.RawModule(code=_SOURCE)  # compiled on the first get_function
 ROW_THREADS = 512  # kRowThreads: the softmax kernel's one block
-_THREADS, _MAX_BLOCKS = 256, 64  # the grid-stride kernels' launch: enough for the demo's small arrays
+_THREADS, _BLOCKS_PER_SM = 256, 8  # the grid-stride kernels' launch: at most enough blocks to fill the GPU
 
 
 def kernel(name: str) -> Any:
@@ -161,7 +162,8 @@ class Launch:
         self, name: str, *arguments: Any, elements: int = 0, grid: int = 0, block: int = _THREADS, keep: Any = None
     ) -> None:
         self._kernel = kernel(name)
-        self._grid = (grid or max(1, min(_MAX_BLOCKS, -(-elements // block))),)
+        most = _BLOCKS_PER_SM * cupy.cuda.Device().attributes["MultiProcessorCount"]
+        self._grid = (grid or max(1, min(most, -(-elements // block))),)
         self._block = (block,)
         self._arguments = arguments  # the arrays too: their buffers stay alive as long as the launch
         self._keep = keep  # arrays that the arguments reach only by address

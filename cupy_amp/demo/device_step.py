@@ -18,6 +18,7 @@ synchronous demo's in the last bits.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,9 @@ class DeviceTrainer:
         self.settings, self.state, self.scaler, self.chunk = settings, state, scaler, chunk
         self._examples = len(dataset.y_train)
         self.stream = cupy.cuda.Stream(non_blocking=True)
+        # The masters and the optimizer's state were written on the caller's stream, which a non-blocking
+        # stream does not wait for by itself.
+        self.stream.wait_event(cupy.cuda.get_current_stream().record())
         with self.stream:
             self._allocate(settings, dataset, state)
         self._graph_wanted = graph
@@ -245,8 +249,11 @@ class DeviceTrainer:
             self.stream.begin_capture()
             try:
                 self.step()
-            finally:
-                self._graph = self.stream.end_capture()
+            except BaseException:
+                with contextlib.suppress(cupy.cuda.runtime.CUDARuntimeError):  # an invalidated capture
+                    self.stream.end_capture()  # the failed capture ends here, its partial graph dropped
+                raise
+            self._graph = self.stream.end_capture()
 
     def read_back(self, first: int, count: int) -> list[StepOutcome]:
         """Wait for the chunk's steps and turn their records into outcomes (events come from the scales)."""

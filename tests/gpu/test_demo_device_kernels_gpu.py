@@ -27,14 +27,17 @@ def assert_is_the_product(
     left, right = cupy.asnumpy(a).astype(np.float64), cupy.asnumpy(b).astype(np.float64)
     left, right = (left.T if transpose_a else left), (right.T if transpose_b else right)
     exact, magnitudes = left @ right, np.abs(left) @ np.abs(right)
-    fp32_error = left.shape[1] * 2.0**-23 * magnitudes
-    bound = np.spacing(np.abs(exact) + fp32_error, dtype=np.float16).astype(np.float64) + 2 * fp32_error
+    fp32_error = left.shape[1] * 2.0**-23 * magnitudes  # 2**-23: room for accumulators that truncate
+    bound = 0.5 * np.spacing(np.abs(exact) + fp32_error, dtype=np.float16).astype(np.float64) + fp32_error
     assert np.isfinite(got).all()
     assert (np.abs(got.astype(np.float64) - exact) <= bound).all()
 
 
 @pytest.mark.parametrize(("transpose_a", "transpose_b"), [(False, False), (True, False), (False, True)])
-@pytest.mark.parametrize(("rows", "inner", "cols"), [(512, 2, 64), (64, 512, 64), (512, 64, 5), (1, 512, 64)])
+# The demo's shapes, and a long inner dimension over a small output, where cuBLAS splits the sum (split-K).
+@pytest.mark.parametrize(
+    ("rows", "inner", "cols"), [(512, 2, 64), (64, 512, 64), (512, 64, 5), (1, 512, 64), (2, 8192, 64)]
+)
 def test_a_product_is_the_fp16_rounding_of_an_fp32_sum(
     rows: int, inner: int, cols: int, transpose_a: bool, transpose_b: bool
 ) -> None:
@@ -73,6 +76,20 @@ def test_a_captured_product_reads_its_operands_at_each_replay() -> None:
         replayed = cupy.asnumpy(out, stream=stream)
     assert replayed.tobytes() != eager.tobytes()
     assert_is_the_product(replayed, a, b, False, False)
+
+
+def test_a_cublas_that_fails_to_open_is_a_demo_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from cupy_amp.demo import products
+    from cupy_amp.demo.settings import DemoError
+
+    products._library()  # loads CuPy's cuBLAS first: only the demo's own open fails below
+
+    def refuse(name: str, *args: object, **kwargs: object) -> None:
+        raise OSError(f"{name}: cannot open shared object file")
+
+    monkeypatch.setattr(products.ctypes, "CDLL", refuse)
+    with pytest.raises(DemoError, match=r"does not load: libcublas\.so\.\d+: cannot open shared object file"):
+        products._library()
 
 
 def test_products_refuse_what_they_cannot_multiply() -> None:
@@ -129,15 +146,22 @@ def test_the_softmax_kernel_gives_numpys_probabilities_loss_and_accuracy(rows: i
     classes = 5
     logits = (rng.standard_normal((rows, classes)) * 4).astype(np.float16)
     labels = rng.integers(0, classes, rows)
+    overflowed = rows == 3  # an fp16 forward pass that overflowed: the loss is NaN, as on the host
+    if overflowed:
+        logits[1, 2] = np.inf
     probs, loss, accuracy, seed = (cupy.full(shape, np.nan, cupy.float32) for shape in ((rows, classes), (), (), ()))
     arguments = (cupy.asarray(logits), cupy.asarray(labels), np.int64(rows), np.int64(classes), probs, loss, accuracy)
     Launch("softmax_xent", *arguments, seed, grid=1, block=ROW_THREADS)()
     z = logits.astype(np.float64)
-    expected = np.exp(z - z.max(axis=1, keepdims=True))
-    expected /= expected.sum(axis=1, keepdims=True)
+    with np.errstate(invalid="ignore"):
+        expected = np.exp(z - z.max(axis=1, keepdims=True))
+        expected /= expected.sum(axis=1, keepdims=True)
     np.testing.assert_allclose(cupy.asnumpy(probs), expected, rtol=1e-5, atol=1e-7)
     expected_loss = -np.log(np.maximum(expected[np.arange(rows), labels], 1e-30)).mean()
-    assert float(loss) == pytest.approx(expected_loss, rel=1e-5)
+    if overflowed:
+        assert np.isnan(expected_loss) and np.isnan(float(loss))
+    else:
+        assert float(loss) == pytest.approx(expected_loss, rel=1e-5)
     assert float(accuracy) == pytest.approx((logits.argmax(axis=1) == labels).mean(), rel=1e-6)
     assert float(seed) == 1.0
 
@@ -147,18 +171,24 @@ def test_the_elementwise_kernels_compute_what_numpy_computes_in_fp16() -> None:
     rows, width, classes = 300, 64, 5
     z = (rng.standard_normal((rows, width)) * 3).astype(np.float16)
     bias = rng.standard_normal(width).astype(np.float16)
+    edges = np.array([-0.0, np.nan, np.inf, -np.inf, 65504, 2.0**-24, -(2.0**-24), 0.0], dtype=np.float16)
+    z[0, :8], z[1, :8], bias[:8] = edges, edges[::-1], edges  # inf - inf, nan + x, 65504 + 65504, -0 + 0...
     for relu in (0, 1):
         out = cupy.asarray(z)
         Launch("bias_relu", out, cupy.asarray(bias), np.int64(rows), np.int64(width), np.int32(relu), elements=z.size)()
-        expected = (z.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
+        with np.errstate(invalid="ignore", over="ignore"):
+            expected = (z.astype(np.float32) + bias.astype(np.float32)).astype(np.float16)
         if relu:
             expected = np.where(expected < 0, np.float16(0), expected)
-        assert cupy.asnumpy(out).tobytes() == expected.tobytes()
+        assert_same_values(cupy.asnumpy(out), expected)
 
-    g, h = rng.standard_normal((rows, width)).astype(np.float16), np.maximum(z, 0)
+    g, h = rng.standard_normal((rows, width)).astype(np.float16), np.where(z > 0, z, np.float16(0))
+    g[0, :8] = edges  # a NaN or inf gradient passes where the output was positive, as it is
+    h[0, :8] = [1, 1, 1, 1, 0, np.nan, -1, 1]
     out = cupy.asarray(g)
     Launch("relu_grad", out, cupy.asarray(h), np.int64(g.size), elements=g.size)()
-    assert cupy.asnumpy(out).tobytes() == np.where(h > 0, g, np.float16(0)).tobytes()
+    with np.errstate(invalid="ignore"):
+        assert cupy.asnumpy(out).tobytes() == np.where(h > 0, g, np.float16(0)).tobytes()
 
     probs = rng.random((rows, classes)).astype(np.float32)
     labels = rng.integers(0, classes, rows)
@@ -184,3 +214,14 @@ def test_the_gather_kernel_picks_the_counted_steps_batch() -> None:
         picked = indices[counter % chunk]
         assert cupy.asnumpy(x_out).tobytes() == x[picked].astype(np.float16).tobytes()
         assert cupy.asnumpy(y_out).tolist() == y[picked].tolist()
+
+
+def test_the_record_kernel_fills_the_counted_slot_and_counts_on() -> None:
+    chunk = 4
+    records = [cupy.zeros(chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
+    counter = cupy.asarray(np.int64(7))
+    values = [cupy.asarray(np.float32(v)) for v in (2.5, 0.75, 2.0**20)] + [cupy.asarray(np.bool_(True))]
+    Launch("record", *values, np.int64(chunk), counter, *records, grid=1, block=1)()
+    assert int(counter) == 8
+    for record, value in zip(records, (2.5, 0.75, 2.0**20, True)):
+        assert cupy.asnumpy(record).tolist() == [0, 0, 0, value]  # slot 7 % 4

@@ -218,3 +218,34 @@ def test_the_graph_example_trains_and_reports_its_speed() -> None:
     assert first.startswith("300 steps: ") and "steps/s" in first
     assert float(second.split("accuracy ")[1].rstrip("%")) > 60
     assert "backoffs" in third
+
+
+def test_a_capture_that_fails_keeps_no_graph(monkeypatch: Any) -> None:
+    """A step that raises while being captured leaves no capture open and no partial graph to replay."""
+    import cupy
+    import pytest
+
+    from cupy_amp.demo.device_step import DeviceTrainer
+    from cupy_amp.demo.training import Device
+    from cupy_amp.sync_free import SyncFreeGradScaler
+
+    settings = Settings()
+    dataset = load_dataset(settings.data, settings.seed)
+    state = new_state(Device(cupy, "gpu", "GPU"), settings, dataset)
+    scaler = SyncFreeGradScaler(**asdict(ScalerSettings()))
+    trainer = DeviceTrainer(settings, dataset, state, scaler, graph=True, chunk=4)
+    trainer.upload_batches(0, trainer.batches(0, 4))
+    queue_step, capturing = trainer._queue_step, []
+
+    def fail_in_the_capture() -> None:
+        capturing.append(trainer.stream.is_capturing())
+        queue_step()
+        if capturing[-1]:
+            raise RuntimeError("failed inside the capture")
+
+    monkeypatch.setattr(trainer, "_queue_step", fail_in_the_capture)
+    with trainer.stream, pytest.raises(RuntimeError, match="failed inside the capture"):
+        trainer.launch()  # one eager step, then the capture that fails
+    assert capturing == [False, True]
+    assert trainer._graph is None
+    assert not trainer.stream.is_capturing()
