@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any, NamedTuple, TypeVar
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
@@ -250,7 +250,7 @@ class Face:
         inside its pass and does nothing at all after an overflow. Call
         ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
         optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
-        parameters' order (a ``GradientSet`` too). Returns the step's
+        parameters' order (a ``GradientSet``, a mapping or any iterable too). Returns the step's
         statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
         ``check()`` does.
 
@@ -261,6 +261,11 @@ class Face:
             As ``check()`` and the optimizer's ``step()``; the optimizer is not
             called when the check raises.
         """
+        arrays = gradients
+        if isinstance(gradients, Mapping):
+            arrays = list(gradients.values())  # the optimizer takes the arrays; check() names culprits by key
+        elif isinstance(gradients, Iterator):
+            gradients = arrays = list(gradients)  # read once: check() and the optimizer see the same arrays
         stats = self.check(gradients, max_norm=max_norm, report=report)
-        optimizer.step(gradients, stats)
+        optimizer.step(arrays, stats)
         return stats

@@ -21,13 +21,15 @@ reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar, cast
 
 import numpy as np
 
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
+
+T = TypeVar("T")
 
 __all__ = [
     "CLIP_EPS",
@@ -209,6 +211,17 @@ class GradientStats:
         )  # fmt: skip
         stats.stream, stats.read_on = self.stream, self.read_on
         return stats
+
+    def hold(self, operation: Callable[[], T]) -> T:
+        """Return ``operation()``, run under the lock of the scaler whose check() made these.
+
+        No ``update()`` or next ``check()`` of that scaler runs meanwhile, so
+        what ``operation`` sees of :meth:`current` and of the record stays true
+        while it runs. The same thread calling the scaler inside ``operation`` raises.
+        """
+        if self.step is None:
+            return operation()
+        return cast(T, self.step[0].run(operation))
 
     def current(self) -> bool:
         """Return whether the step whose check() made these is still open (its update() has not run)."""

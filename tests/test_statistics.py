@@ -559,6 +559,95 @@ def test_scaler_step_checks_and_applies_the_fused_update_in_one_call(scaler_clas
     assert float(np.abs(optimizer.params[0]).max()) > 0
 
 
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_statistics_apply_once_whatever_the_optimizer_applied_in_between(scaler_class: type) -> None:
+    """A, then other statistics (or none), then A again: still refused. The optimizer remembers every
+    open step it applied, not only the last one."""
+    from cupy_amp.optim import SGD
+
+    first, second = scaler_class(init_scale=1024.0), scaler_class(init_scale=2.0)
+    weights, grads = [np.zeros(2, np.float32)], [np.full(2, 1024.0, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    for scaler in (first, second):
+        scaler.scale_loss(np.ones((), np.float32))
+    stats, others = first.check(grads), second.check([np.full(2, 2.0, np.float32)])
+    optimizer.step(grads, stats)  # -1
+    optimizer.step([np.zeros(2, np.float32)], None)
+    with pytest.raises(ScalerProtocolError, match="already applied"):
+        optimizer.step(grads, stats)
+    optimizer.step([np.full(2, 2.0, np.float32)], others)  # -1: another scaler's check, once
+    with pytest.raises(ScalerProtocolError, match="already applied"):
+        optimizer.step(grads, stats)
+    with pytest.raises(ScalerProtocolError, match="already applied"):
+        optimizer.step([np.full(2, 2.0, np.float32)], others)
+    assert weights[0].tolist() == [-2.0, -2.0] and optimizer.step_count == 3
+    first.update()
+    first.scale_loss(np.ones((), np.float32))
+    optimizer.step(grads, first.check(grads))  # the next step's check applies (the scale grew not: -1)
+    assert weights[0].tolist() == [-3.0, -3.0]
+
+
+@pytest.mark.parametrize("gradients", ["generator", "mapping"])
+def test_scaler_step_gives_the_optimizer_the_arrays_it_checked(gradients: str) -> None:
+    """A generator is read once for both; a mapping's arrays (not its keys) go to the optimizer."""
+    from cupy_amp.optim import SGD
+
+    scaler, weights = GradScaler(init_scale=4.0), [np.zeros(2, np.float32), np.zeros(3, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    arrays = [np.full(2, 4.0, np.float32), np.full(3, 8.0, np.float32)]
+    scaler.scale_loss(np.ones((), np.float32))
+    given = (g for g in arrays) if gradients == "generator" else {"w": arrays[0], "b": arrays[1]}
+    stats = scaler.step(optimizer, given)
+    assert bool(stats.finite) and optimizer.step_count == 1
+    assert weights[0].tolist() == [-1.0] * 2 and weights[1].tolist() == [-2.0] * 3
+
+
+def test_an_optimizer_never_reads_the_record_of_a_later_step() -> None:
+    """The optimizer tests that its statistics are current and reads them under the scaler's lock, so an
+    update() and the next check() on another thread wait: they cannot slip in between."""
+    import sys
+    import threading
+
+    from cupy_amp.optim import SGD, optimizers
+
+    scaler, weights = GradScaler(init_scale=1024.0), [np.zeros(2, np.float32)]
+    optimizer = SGD(weights, lr=1.0)
+    grads = [np.full(2, 1024.0, np.float32)]
+    scaler.scale_loss(np.ones((), np.float32))
+    stats = scaler.check(grads)  # finite: this step applies lr * 1
+    reading, resume = threading.Event(), threading.Event()
+
+    def pause_before_the_read(frame: Any, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code is optimizers._FusedOptimizer._host_step.__code__:
+            reading.set()
+            resume.wait(5)  # the other thread's update() waits for the scaler's lock meanwhile
+        return None
+
+    def apply() -> None:
+        sys.settrace(pause_before_the_read)
+        try:
+            optimizer.step(grads, stats)
+        finally:
+            sys.settrace(None)
+
+    applying = threading.Thread(target=apply)
+    applying.start()
+    assert reading.wait(10)
+
+    def next_step() -> None:
+        scaler.update()
+        scaler.scale_loss(np.ones((), np.float32))
+        scaler.check([np.array([np.inf, 0.0], np.float32)])  # the next step overflows
+
+    later = threading.Thread(target=next_step)
+    later.start()
+    later.join(0.4)  # without the lock held, the next step's check() is done by now
+    resume.set()
+    applying.join(10)
+    later.join(10)
+    assert weights[0].tolist() == [-1.0, -1.0] and optimizer.step_count == 1  # this step's record, not the next
+
+
 def test_two_threads_applying_the_same_statistics_apply_them_once() -> None:
     import threading
 

@@ -80,7 +80,8 @@ class _FusedOptimizer:
         self._lock = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
         self._busy = threading.Lock()  # held while a call runs: seen held by its own thread, it means re-entry
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
-        self._applied: tuple[Any, int] | None = None  # the step of the statistics last applied
+        # The (step machine, number) of each scaler's statistics applied in a step still open: each applies once.
+        self._applied: tuple[tuple[Any, int], ...] = ()
         self._record = np.zeros((), dtype=self._layout.record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
             self._record[name] = value
@@ -259,7 +260,18 @@ class _FusedOptimizer:
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
+        if stats is None:
+            self._apply(grads, None)
+            return
+        # Under the scaler's lock: no update() and next check() can close the step and rewrite the record
+        # between the test that these statistics are current and their reading (or the launches that read them).
+        stats.hold(lambda: self._apply_current(grads, stats))
+
+    def _apply_current(self, grads: list[Any], stats: GradientStats) -> None:
         self._refuse_stale(stats)
+        self._apply(grads, stats)
+
+    def _apply(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._expect_gradients(grads)
         if self._device_record is None:
             self._host_step(grads, stats)
@@ -274,7 +286,7 @@ class _FusedOptimizer:
         except ScalerProtocolError:
             self._torn = None  # its one refusal comes before the first launch: nothing changed
             raise
-        self._torn, self._applied, self._stream = None, None if stats is None else stats.step, stream
+        self._torn, self._applied, self._stream = None, self._applied_with(stats), stream
 
     def _refuse_stale(self, stats: GradientStats | None) -> None:
         """Refuse statistics of a step that update() closed, or that this optimizer applied already."""
@@ -286,12 +298,17 @@ class _FusedOptimizer:
                 "check() (or scaler.step(optimizer, gradients)), the optimizer step, then update(). Pass the "
                 "statistics of this step's check()."
             )
-        applied, step = self._applied, stats.step
-        if applied is not None and step is not None and applied[0] is step[0] and applied[1] == step[1]:
+        step = stats.step
+        if step is not None and any(machine is step[0] and number == step[1] for machine, number in self._applied):
             raise ScalerProtocolError(
                 "step(): this optimizer already applied these statistics (one update per check()); run the next "
                 "step's check() first."
             )
+
+    def _applied_with(self, stats: GradientStats | None) -> tuple[tuple[Any, int], ...]:
+        """Return the applied steps after applying ``stats``: theirs added, the steps closed since dropped."""
+        still_open = tuple((machine, number) for machine, number in self._applied if machine.holds(number))
+        return still_open if stats is None or stats.step is None else (*still_open, stats.step)
 
     def _expect_stats(self, stats: GradientStats | None) -> None:
         if stats is None:
@@ -331,7 +348,7 @@ class _FusedOptimizer:
         self._refuse_shared(grads)
         record = self._record.copy()
         self._begin(record, skip, factor)
-        applied = None if stats is None else stats.step
+        applied = self._applied_with(stats)
         if skip:
             self._record, self._applied = record, applied  # a skipped step changes nothing else
             return
