@@ -257,7 +257,9 @@ class GradScaler(Face):
 
         Stays valid after ``update()`` until the next step's first
         ``unscale_and_check``, so a learning-rate schedule can skip with the
-        optimizer. Never synchronizes the device.
+        optimizer. While disabled, a step records nothing: this keeps the
+        answer of the last enabled step (a disabled ``check()``'s ``finite``
+        says whether the optimizer skipped). Never synchronizes the device.
         """
         return self._scaling.verdict[0]
 
