@@ -587,12 +587,13 @@ def test_statistics_apply_once_whatever_the_optimizer_applied_in_between(scaler_
     assert weights[0].tolist() == [-3.0, -3.0]
 
 
+@pytest.mark.parametrize("scaler_class", SCALERS)
 @pytest.mark.parametrize("gradients", ["generator", "mapping"])
-def test_scaler_step_gives_the_optimizer_the_arrays_it_checked(gradients: str) -> None:
+def test_scaler_step_gives_the_optimizer_the_arrays_it_checked(gradients: str, scaler_class: type) -> None:
     """A generator is read once for both; a mapping's arrays (not its keys) go to the optimizer."""
     from cupy_amp.optim import SGD
 
-    scaler, weights = GradScaler(init_scale=4.0), [np.zeros(2, np.float32), np.zeros(3, np.float32)]
+    scaler, weights = scaler_class(init_scale=4.0), [np.zeros(2, np.float32), np.zeros(3, np.float32)]
     optimizer = SGD(weights, lr=1.0)
     arrays = [np.full(2, 4.0, np.float32), np.full(3, 8.0, np.float32)]
     scaler.scale_loss(np.ones((), np.float32))
@@ -602,7 +603,8 @@ def test_scaler_step_gives_the_optimizer_the_arrays_it_checked(gradients: str) -
     assert weights[0].tolist() == [-1.0] * 2 and weights[1].tolist() == [-2.0] * 3
 
 
-def test_an_optimizer_never_reads_the_record_of_a_later_step() -> None:
+@pytest.mark.parametrize("scaler_class", SCALERS)
+def test_an_optimizer_never_reads_the_record_of_a_later_step(scaler_class: type) -> None:
     """The optimizer tests that its statistics are current and reads them under the scaler's lock, so an
     update() and the next check() on another thread wait: they cannot slip in between."""
     import sys
@@ -610,7 +612,7 @@ def test_an_optimizer_never_reads_the_record_of_a_later_step() -> None:
 
     from cupy_amp.optim import SGD, optimizers
 
-    scaler, weights = GradScaler(init_scale=1024.0), [np.zeros(2, np.float32)]
+    scaler, weights = scaler_class(init_scale=1024.0), [np.zeros(2, np.float32)]
     optimizer = SGD(weights, lr=1.0)
     grads = [np.full(2, 1024.0, np.float32)]
     scaler.scale_loss(np.ones((), np.float32))
