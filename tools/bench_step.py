@@ -67,18 +67,23 @@ def make_trainer(mode: str, chunk: int = 50) -> tuple[Any, Any]:
     return device_trainer, run_device
 
 
-def steps_per_second(mode: str, steps: int, repeats: int = 3) -> float:
-    """The median over ``repeats`` runs of ``steps`` steps, after 60 untimed ones."""
-    _, run = make_trainer(mode)
-    run(60)  # the first steps: compilation, table building, the graph's capture
+def _median_rate(run: Callable[[], None], steps: int, repeats: int) -> float:
+    """The median steps per second over ``repeats`` timed calls of ``run`` (``steps`` steps each)."""
     rates = []
     for _ in range(repeats):
         cupy.cuda.Device().synchronize()
         start = time.perf_counter()
-        run(steps)
+        run()
         cupy.cuda.Device().synchronize()
         rates.append(steps / (time.perf_counter() - start))
     return sorted(rates)[len(rates) // 2]
+
+
+def steps_per_second(mode: str, steps: int, repeats: int = 3) -> float:
+    """The median over ``repeats`` runs of ``steps`` steps, after 60 untimed ones."""
+    _, run = make_trainer(mode)
+    run(60)  # the first steps: compilation, table building, the graph's capture
+    return _median_rate(lambda: run(steps), steps, repeats)
 
 
 def steps_alone_per_second(mode: str, steps: int, repeats: int = 3) -> float:
@@ -87,16 +92,13 @@ def steps_alone_per_second(mode: str, steps: int, repeats: int = 3) -> float:
     trainer, run = make_trainer(mode)
     run(60)
     trainer.upload_batches(trainer.state.step, trainer.batches(trainer.state.step, trainer.chunk))
-    rates = []
+
+    def queue() -> None:
+        for _ in range(steps):
+            trainer.launch()
+
     with trainer.stream:
-        for _ in range(repeats):
-            cupy.cuda.Device().synchronize()
-            start = time.perf_counter()
-            for _ in range(steps):
-                trainer.launch()
-            cupy.cuda.Device().synchronize()
-            rates.append(steps / (time.perf_counter() - start))
-    return sorted(rates)[len(rates) // 2]
+        return _median_rate(queue, steps, repeats)
 
 
 def _waits(names: list[str]) -> list[str]:
