@@ -288,10 +288,8 @@ class _FusedOptimizer:
             raise
         self._torn, self._applied, self._stream = None, self._applied_with(stats), stream
 
-    def _refuse_stale(self, stats: GradientStats | None) -> None:
+    def _refuse_stale(self, stats: GradientStats) -> None:
         """Refuse statistics of a step that update() closed, or that this optimizer applied already."""
-        if stats is None:
-            return
         if not stats.current():
             raise ScalerProtocolError(
                 "step(): these statistics are of a step that the scaler's update() already closed; each step is "
