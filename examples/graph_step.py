@@ -38,7 +38,6 @@ scaler = SyncFreeGradScaler(init_scale=2.0**36, growth_interval=50, min_scale=1.
 trainer = DeviceTrainer(settings, dataset, state, scaler, graph=False, chunk=steps)
 stream = trainer.stream
 with stream:
-    trainer.upload_batches(0, trainer.batches(0, steps))
     trainer.step()  # step 1, eager: loads every kernel (a capture cannot)
     stream.begin_capture()
     try:

@@ -80,7 +80,7 @@ def test_the_log_agrees_with_the_saved_scaler_counters(uninterrupted: tuple[Path
     assert checkpoint.backoffs == result.out.count("backoff: scale")
     assert checkpoint.growths == result.out.count("growth: scale")
     assert checkpoint.skipped_steps == int(saved_arrays(directory)["history/skipped"].sum())
-    assert f"{checkpoint.skipped_steps} of {STEPS} steps skipped" in result.out
+    assert f"skipped  {checkpoint.skipped_steps} of {STEPS} steps" in result.out
 
 
 def test_the_checkpoint_is_valid_for_the_validate_command(uninterrupted: tuple[Path, Result]) -> None:

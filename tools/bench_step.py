@@ -6,8 +6,8 @@ profiler trace (CUPTI through ``torch.profiler``, where PyTorch with CUDA is
 installed), the synchronizing CUDA API calls and device-to-host copies per
 steady-state step. The synchronous mode is the control: its one wait per step
 must show up, or the count proves nothing. For the device modes, also the
-steps queued back to back with no batch drawn and nothing read back, as the
-PyTorch reference runs them ("alone"); for graphs, the host time to queue one
+steps queued back to back with nothing read back (each still draws its batch
+on the device), as the PyTorch reference runs them ("alone"); for graphs, the host time to queue one
 replay. Every timing runs before the first profiler trace (CUPTI, once attached, slows
 every CUDA call of the process). With PyTorch, the nearest PyTorch equivalent as a reference:
 the same MLP with autocast fp16, ``torch.amp.GradScaler`` and ``Adam(fused=True)``,
@@ -87,11 +87,10 @@ def steps_per_second(mode: str, steps: int, repeats: int = 3) -> float:
 
 
 def steps_alone_per_second(mode: str, steps: int, repeats: int = 3) -> float:
-    """As :func:`steps_per_second` for a device mode, with the steps queued back to back: no batches drawn,
-    nothing read back (the batch indices of one chunk are reused), as the PyTorch reference's loop runs."""
+    """As :func:`steps_per_second` for a device mode, with the steps queued back to back and nothing read back
+    (each step still draws its batch, on the device), as the PyTorch reference's loop runs."""
     trainer, run = make_trainer(mode)
     run(60)
-    trainer.upload_batches(trainer.state.step, trainer.batches(trainer.state.step, trainer.chunk))
 
     def queue() -> None:
         for _ in range(steps):
@@ -127,8 +126,6 @@ def profiled_calls(mode: str, steps: int) -> dict[str, Any] | str:
             for _ in range(steps):
                 trainer.step()
     else:
-        first = trainer.state.step
-        trainer.upload_batches(first, trainer.batches(first, min(steps, trainer.chunk)))
 
         def queue() -> None:
             with trainer.stream:
@@ -161,7 +158,6 @@ def graph_host_us(replays: int) -> dict[str, float]:
     run(60)
     result = {}
     for case in ("gpu_running", "behind_a_busy_gpu"):
-        trainer.upload_batches(trainer.state.step, trainer.batches(trainer.state.step, replays))
         with trainer.stream:
             cupy.cuda.Device().synchronize()
             if case == "behind_a_busy_gpu":

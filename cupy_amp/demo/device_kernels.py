@@ -31,15 +31,49 @@ __device__ unsigned short to_half(float x) {
 #define EACH(i, n) for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < (n); \
                         i += (long long)gridDim.x * blockDim.x)
 
-// The batch of the step numbered *counter: rows of the training set, picked by the uploaded indices.
-extern "C" __global__ void cupy_amp_demo_gather(const float* x, const long long* y, const long long* indices,
-                                                const long long* counter, long long chunk, long long rows,
+// The batch of the step numbered *counter, drawn here as model.BatchOrder draws it on the host: a keyed
+// Feistel permutation per epoch (four lowbias32 rounds over `bits` bits, halves trading widths each round),
+// walked again while outside the examples. One thread per row of the batch.
+__device__ unsigned int mix32(unsigned int x) {
+    x ^= x >> 16;
+    x *= 0x7feb352dU;
+    x ^= x >> 15;
+    x *= 0x846ca68bU;
+    return x ^ (x >> 16);
+}
+__device__ unsigned int feistel(unsigned int value, const unsigned int* keys, int bits) {
+    int left_bits = bits / 2, right_bits = bits - bits / 2;
+    unsigned int left = value >> right_bits, right = value & ((1U << right_bits) - 1U);
+    for (int round = 0; round < 4; ++round) {
+        const unsigned int next = left ^ (mix32(right ^ keys[round]) & ((1U << left_bits) - 1U));
+        left = right;
+        right = next;
+        const int width = left_bits;
+        left_bits = right_bits;
+        right_bits = width;
+    }
+    return (left << right_bits) | right;
+}
+extern "C" __global__ void cupy_amp_demo_gather(const float* x, const long long* y, const long long* counter,
+                                                unsigned int key0, unsigned int key1, unsigned int key2,
+                                                unsigned int key3, long long examples, int bits, long long rows,
                                                 long long features, unsigned short* x_out, long long* y_out) {
-    EACH(i, rows * features) {
-        const long long row = i / features, feature = i % features;
-        const long long example = indices[(*counter % chunk) * rows + row];
-        x_out[i] = to_half(x[example * features + feature]);
-        if (feature == 0) y_out[row] = y[example];
+    const unsigned long long per_epoch = examples / rows;
+    const unsigned long long step = (unsigned long long)*counter, epoch = step / per_epoch;
+    const unsigned long long first = (step % per_epoch) * rows;
+    const unsigned int low = (unsigned int)epoch, high = (unsigned int)(epoch >> 32);
+    const unsigned int seed_keys[4] = {key0, key1, key2, key3};
+    unsigned int keys[4];
+    for (int round = 0; round < 4; ++round) {
+        keys[round] = mix32(seed_keys[round] ^ mix32(low ^ mix32(high ^ (0x9e3779b9U * (unsigned int)round))));
+    }
+    EACH(row, rows) {
+        unsigned int example = feistel((unsigned int)(first + row), keys, bits);
+        while (example >= (unsigned long long)examples) example = feistel(example, keys, bits);
+        for (long long feature = 0; feature < features; ++feature) {
+            x_out[row * features + feature] = to_half(x[(long long)example * features + feature]);
+        }
+        y_out[row] = y[example];
     }
 }
 

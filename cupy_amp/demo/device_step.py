@@ -3,7 +3,8 @@
 The same network, data and fused AdamW as :mod:`cupy_amp.demo.training`, with a
 :class:`~cupy_amp.SyncFreeGradScaler`, written so that the host never waits:
 every buffer is allocated once (a graph replays fixed addresses), the batch is
-picked on the device from indices uploaded a chunk of steps at a time, AdamW
+drawn on the device from the step counter there (the same indices as
+:class:`~cupy_amp.demo.model.BatchOrder` draws on the host), AdamW
 reads the scaler's factor and verdict on the device and leaves everything
 untouched after an overflow, and each step's loss, accuracy, scale and verdict go to a ring of
 device records that the host reads once per chunk. Every launch is built once
@@ -26,7 +27,7 @@ import cupy
 import numpy as np
 
 from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all, kernel
-from cupy_amp.demo.model import Dataset, batch_indices, cross_entropy, forward
+from cupy_amp.demo.model import BatchOrder, Dataset, cross_entropy, forward
 from cupy_amp.demo.products import Products
 from cupy_amp.demo.settings import Settings
 from cupy_amp.demo.training import RunState, StepOutcome
@@ -73,7 +74,6 @@ class DeviceTrainer:
         self._layers = layers
         self._x_train, self._y_train = cupy.asarray(dataset.x_train), cupy.asarray(dataset.y_train)
         self._x_eval, self._y_eval = cupy.asarray(dataset.x_eval), cupy.asarray(dataset.y_eval)
-        self._indices = cupy.zeros((self.chunk, batch), cupy.int64)
         self._counter = cupy.full((), state.step, cupy.int64)
         self._x = cupy.empty((batch, features), cupy.float16)
         self._y = cupy.empty(batch, cupy.int64)
@@ -96,19 +96,21 @@ class DeviceTrainer:
         layers, rows = self._layers, np.int64(batch)
         products = Products(self.stream)  # bound to the trainer's stream, where every step runs
         inputs = [self._x, *self._outputs[:-1]]
+        order = BatchOrder(settings.seed, int(self._y_train.size))
         forward: list[Callable[[], None]] = [
             Launch(
                 "gather",
                 self._x_train,
                 self._y_train,
-                self._indices,
                 self._counter,
-                np.int64(self.chunk),
+                *(np.uint32(key) for key in order.keys),
+                np.int64(order.examples),
+                np.int32(order.bits),
                 rows,
                 np.int64(features),
                 self._x,
                 self._y,
-                elements=self._x.size,
+                elements=batch,
             )
         ]
         for i in range(1, layers + 1):
@@ -166,7 +168,7 @@ class DeviceTrainer:
     def step(self) -> None:
         """Queue one step on the trainer's stream: device work only, capturable (in a capture of that stream).
 
-        Its batch comes from the indices :meth:`upload_batches` put on the device.
+        Its batch is drawn on the device from the step counter there.
         """
         with self.stream:  # where the products' cuBLAS handle queues its work
             self._queue_step()
@@ -207,37 +209,17 @@ class DeviceTrainer:
         is called for each of its steps, then ``on_chunk`` with the step reached.
         Chunks also end at every multiple of ``boundary`` (where a run is saved).
         """
-
-        def next_chunk(first: int) -> np.ndarray:
-            count = min(self.chunk, total - first, boundary - first % boundary)
-            return self.batches(first, count)
-
         with self.stream:
-            upcoming = next_chunk(self.state.step)
             while self.state.step < total:
-                first, count = self.state.step, len(upcoming)
-                self.upload_batches(first, upcoming)  # the previous chunk was read back: its slots are free
+                first = self.state.step
+                count = min(self.chunk, total - first, boundary - first % boundary)
                 for _ in range(count):
                     self.launch()
-                if first + count < total:  # drawn on the host while the GPU runs this chunk
-                    upcoming = next_chunk(first + count)
                 for outcome in self.read_back(first, count):
                     self.state.step = outcome.step
                     self.state.history.append(outcome)
                     on_step(outcome)
                 on_chunk(self.state.step)
-
-    def batches(self, first: int, count: int) -> np.ndarray:
-        """Return the batch indices of steps ``first`` to ``first + count - 1``, drawn on the host."""
-        size, examples = self.settings.batch_size, self._examples
-        return np.stack(
-            [batch_indices(self.settings.seed, step, size, examples) for step in range(first, first + count)]
-        )
-
-    def upload_batches(self, first: int, indices: np.ndarray) -> None:
-        """Put the :meth:`batches` of the steps from ``first`` on the device (at most one chunk of them)."""
-        slots = [step % self.chunk for step in range(first, first + len(indices))]
-        self._indices[slots] = cupy.asarray(indices)
 
     def launch(self) -> None:
         """Run one step: eagerly, or as a replay of the graph captured after the first eager step."""

@@ -11,13 +11,14 @@ only when asked).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
-from cupy_amp.demo.model import Dataset, Forward, backward, batch_indices, cross_entropy, forward, init_params
+from cupy_amp.demo.model import BatchOrder, Dataset, Forward, backward, cross_entropy, forward, init_params
 from cupy_amp.demo.settings import DemoError, ScalerSettings, Settings
 from cupy_amp.optim import AdamW
 from cupy_amp.scaler import GradScaler
@@ -103,15 +104,15 @@ def _short(exc: BaseException) -> str:
 
 
 def small_matrix_threads(device: Device) -> contextlib.AbstractContextManager[Any]:
-    """Limit NumPy's BLAS to one thread while training on the CPU, when threadpoolctl is installed.
+    """Limit NumPy's BLAS to one thread while training on the CPU, unless the environment sets a thread count.
 
     The demo's matrices are small (512 x 64); a multithreaded BLAS spends more
     time synchronizing its threads than multiplying, several times more on a
-    busy two-core machine. Results depend on the thread count (the summation
-    order does), so a run and its resumption should agree on having
-    threadpoolctl. Without it, nothing changes.
+    busy two-core machine. The results do not depend on the thread count
+    (:mod:`cupy_amp.demo.host_math`), so ``OPENBLAS_NUM_THREADS`` (or
+    ``OMP_NUM_THREADS``) is obeyed when set. Without threadpoolctl, nothing changes.
     """
-    if device.kind != "cpu":
+    if device.kind != "cpu" or any(os.environ.get(name) for name in _THREAD_VARIABLES):
         return contextlib.nullcontext()
     try:
         from threadpoolctl import threadpool_limits
@@ -119,6 +120,9 @@ def small_matrix_threads(device: Device) -> contextlib.AbstractContextManager[An
         return contextlib.nullcontext()
     limits: contextlib.AbstractContextManager[Any] = threadpool_limits(limits=1, user_api="blas")
     return limits
+
+
+_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 MODES = {"amp": "fp16 + loss scaling", "fp16": "fp16, no loss scaling", "fp32": "fp32"}
@@ -280,7 +284,7 @@ class Trainer:
         # With `report`: each step's (step, scale, numerics report), for the end-of-run table and the plot.
         self.reports: list[tuple[int, float, tuple[GradientNumerics, ...]]] | None = [] if report else None
         xp = device.xp
-        self._examples = len(dataset.y_train)
+        self._order = BatchOrder(settings.seed, len(dataset.y_train))
         self._x_train, self._y_train = xp.asarray(dataset.x_train), xp.asarray(dataset.y_train)
         self._x_eval, self._y_eval = xp.asarray(dataset.x_eval), xp.asarray(dataset.y_eval)
         self._dtype = np.float32 if mode == "fp32" else np.float16
@@ -301,9 +305,7 @@ class Trainer:
     def step(self) -> StepOutcome:
         """Train one step and record it in the history."""
         xp = self.device.xp
-        indices = xp.asarray(
-            batch_indices(self.settings.seed, self.state.step, self.settings.batch_size, self._examples)
-        )
+        indices = xp.asarray(self._order.batch(self.state.step, self.settings.batch_size))
         x, y = self._x_train[indices], self._y_train[indices]
         with np.errstate(over="ignore", invalid="ignore"):  # fp16 overflow is expected; the scaler handles it
             outcome = self._step_fp32(x, y) if self.scaler is None else self._step_fp16(x, y, self.scaler)

@@ -8,6 +8,7 @@ import pytest
 cupy = pytest.importorskip("cupy")
 
 from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all  # noqa: E402
+from cupy_amp.demo.model import BatchOrder  # noqa: E402
 from cupy_amp.demo.products import Products  # noqa: E402
 
 
@@ -201,19 +202,23 @@ def test_the_elementwise_kernels_compute_what_numpy_computes_in_fp16() -> None:
     assert cupy.asnumpy(out).tobytes() == expected.tobytes()
 
 
-def test_the_gather_kernel_picks_the_counted_steps_batch() -> None:
-    rng = np.random.default_rng(5)
-    examples, features, batch, chunk = 100, 3, 8, 4
+@pytest.mark.parametrize(("examples", "batch"), [(100, 8), (8192, 512), (1437, 512), (5, 5), (1, 1)])
+def test_the_gather_kernel_draws_the_hosts_batch_of_the_counted_step(examples: int, batch: int) -> None:
+    """The device draws exactly BatchOrder's batches: the same run on the CPU and the GPU, resumed anywhere."""
+    rng = np.random.default_rng(examples)
+    features = 3
     x, y = rng.standard_normal((examples, features)).astype(np.float32), rng.integers(0, 5, examples)
-    indices = rng.integers(0, examples, (chunk, batch))
+    order = BatchOrder(11, examples)
     x_out, y_out = cupy.empty((batch, features), cupy.float16), cupy.empty(batch, cupy.int64)
-    for counter in (0, 6):  # the ring slot is the counter modulo the chunk
-        arguments = (cupy.asarray(x), cupy.asarray(y), cupy.asarray(indices), cupy.asarray(np.int64(counter)))
-        sizes = (np.int64(chunk), np.int64(batch), np.int64(features))
-        Launch("gather", *arguments, *sizes, x_out, y_out, elements=batch * features)()
-        picked = indices[counter % chunk]
+    per_epoch = examples // batch
+    for step in (0, 1, per_epoch - 1, per_epoch, 7 * per_epoch + 3, 2**33 * per_epoch + 1):
+        keys = (np.uint32(key) for key in order.keys)
+        sizes = (np.int64(examples), np.int32(order.bits), np.int64(batch), np.int64(features))
+        arguments = (cupy.asarray(x), cupy.asarray(y), cupy.asarray(np.int64(step)), *keys, *sizes)
+        Launch("gather", *arguments, x_out, y_out, elements=batch)()
+        picked = order.batch(step, batch)
+        assert cupy.asnumpy(y_out).tolist() == y[picked].tolist(), step
         assert cupy.asnumpy(x_out).tobytes() == x[picked].astype(np.float16).tobytes()
-        assert cupy.asnumpy(y_out).tolist() == y[picked].tolist()
 
 
 def test_the_record_kernel_fills_the_counted_slot_and_counts_on() -> None:

@@ -234,7 +234,6 @@ def test_a_capture_that_fails_keeps_no_graph(monkeypatch: Any) -> None:
     state = new_state(Device(cupy, "gpu", "GPU"), settings, dataset)
     scaler = SyncFreeGradScaler(**asdict(ScalerSettings()))
     trainer = DeviceTrainer(settings, dataset, state, scaler, graph=True, chunk=4)
-    trainer.upload_batches(0, trainer.batches(0, 4))
     queue_step, capturing = trainer._queue_step, []
 
     def fail_in_the_capture() -> None:
