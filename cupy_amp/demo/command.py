@@ -196,22 +196,18 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
             save_at(outcome.step)
 
     started, first = time.perf_counter(), plan.state.step
-    chunk_ends: list[tuple[int, float]] = []  # (step, time) as each of a device run's chunks is read back
-
-    def after_chunk(step: int) -> None:
-        chunk_ends.append((step, time.perf_counter()))
-        save_at(step)
-
     if isinstance(trainer, Trainer):
         run_steps(trainer, plan.steps, on_step)
-    else:
-        trainer.run(plan.steps, on_step, after_chunk, args.save_every)
-    seconds = time.perf_counter() - started
+    else:  # chunks end where the run is saved, if it is
+        trainer.run(plan.steps, on_step, save_at, args.save_every if plan.out is not None else plan.steps)
+    finished = time.perf_counter()
+    seconds = finished - started
     reporter.end_progress()
     eval_loss, eval_accuracy = trainer.evaluate()
     stats = scaler.stats()
     total = plan.state.step
-    reporter.line(f"done     {_speed(plan.steps - first, seconds, chunk_ends, isinstance(trainer, Trainer))}")
+    first_chunk = None if isinstance(trainer, Trainer) else trainer.first_chunk_done
+    reporter.line(f"done     {_speed(plan.steps - first, seconds, (plan.steps, finished), first_chunk)}")
     reporter.line(f"skipped  {stats.skipped_steps} of {total} steps ({100 * stats.skipped_steps / total:.1f}%)")
     reporter.line(
         f"eval     accuracy {100 * eval_accuracy:.1f}% (chance {100 / plan.dataset.classes:.1f}%), "
@@ -240,15 +236,19 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
         )
 
 
-def _speed(steps: int, seconds: float, chunk_ends: list[tuple[int, float]], host_loop: bool) -> str:
-    """Say how fast the run went and what the time includes."""
+def _speed(steps: int, seconds: float, end: tuple[int, float], first_chunk: tuple[int, float] | None) -> str:
+    """Say how fast the run went and what the time includes.
+
+    ``end`` and ``first_chunk`` are (step, time) at the end of the run and, in a device run, when its first
+    chunk was read back: the rate between them leaves out the kernel compilation and the graph's capture.
+    """
     text = f"{steps} steps in {seconds:.1f} s: {steps / seconds:,.0f} steps/s for the whole loop"
-    if host_loop:
+    if first_chunk is None:
         return text + " (each step's batch, forward, backward, scaler, optimizer and log)"
-    text += " (the first chunk's kernel compilation and graph capture, and each chunk's read-back, included)"
-    if len(chunk_ends) >= 2:  # the steady state: from the end of the first chunk to the end of the last
-        (step_1, time_1), (step_n, time_n) = chunk_ends[0], chunk_ends[-1]
-        text += f"; {(step_n - step_1) / (time_n - time_1):,.0f} steps/s after the first chunk"
+    text += " (the first chunk's kernel compilation and graph capture, and every read-back, included)"
+    (last, ended), (reached, at) = end, first_chunk
+    if last > reached and ended > at:
+        text += f"; {(last - reached) / (ended - at):,.0f} steps/s after the first chunk"
     return text
 
 

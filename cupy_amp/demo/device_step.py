@@ -20,10 +20,13 @@ synchronous demo's in the last bits.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import cupy
+import cupyx
 import numpy as np
 
 from cupy_amp.demo.device_kernels import ROW_THREADS, Launch, cast_all, kernel
@@ -65,6 +68,7 @@ class DeviceTrainer:
             self._allocate(settings, dataset, state)
         self._graph_wanted = graph
         self._graph: Any = None
+        self.first_chunk_done: tuple[int, float] | None = None  # (step reached, time) as run() read its first chunk
         self.underflow = None  # measured by the synchronous trainer only
 
     def _allocate(self, settings: Settings, dataset: Dataset, state: RunState) -> None:
@@ -87,7 +91,10 @@ class DeviceTrainer:
         self._grads16 = {name: cupy.empty(master.shape, cupy.float16) for name, master in masters.items()}
         self._master_grads = {name: cupy.zeros_like(master) for name, master in masters.items()}
         self._grad_list = list(self._master_grads.values())  # in the optimizer's parameter order
-        self._records = [cupy.zeros(self.chunk, dtype) for dtype in (cupy.float32,) * 3 + (cupy.bool_,)]
+        dtypes = (cupy.float32,) * 3 + (cupy.bool_,)  # loss, accuracy, scale, finite
+        self._records = [cupy.zeros(self.chunk, dtype) for dtype in dtypes]
+        # Two sets of pinned host records: one chunk's copy lands in one while the host reads the other.
+        self._host_records = [[cupyx.empty_pinned(self.chunk, dtype) for dtype in dtypes] for _ in range(2)]
         self._prepared = self.scaler.prepare(self._master_grads)
         self._bind_launches(settings, batch, features, widths)
 
@@ -201,25 +208,51 @@ class DeviceTrainer:
         )
 
     def run(
-        self, total: int, on_step: Callable[[StepOutcome], None], on_chunk: Callable[[int], None], boundary: int
+        self, total: int, on_step: Callable[[StepOutcome], None], on_boundary: Callable[[int], None], boundary: int
     ) -> None:
-        """Train until step ``total``, a chunk of steps at a time.
+        """Train until step ``total``, in chunks queued one ahead of the host.
 
-        After each chunk its records are read back (the one wait), ``on_step``
-        is called for each of its steps, then ``on_chunk`` with the step reached.
-        Chunks also end at every multiple of ``boundary`` (where a run is saved).
+        While the GPU runs a chunk, the host turns the records of the chunk
+        before it into outcomes (``on_step`` for each): the host waits only for
+        a chunk that is already done. A chunk that ends at a multiple of
+        ``boundary``, or at ``total``, is finished before anything more is
+        queued; then ``on_boundary`` is called with the step reached, while the
+        state is that step's (where a run is saved).
         """
+        skipped = self.scaler.stats().skipped_steps  # nothing is queued yet: a short wait
+        pending: _Chunk | None = None
+        held: list[_Row] = []  # the last step read, until the next chunk's first scale says what its update did
+        first, buffer = self.state.step, 0
         with self.stream:
-            while self.state.step < total:
-                first = self.state.step
-                count = min(self.chunk, total - first, boundary - first % boundary)
-                for _ in range(count):
-                    self.launch()
-                for outcome in self.read_back(first, count):
-                    self.state.step = outcome.step
-                    self.state.history.append(outcome)
-                    on_step(outcome)
-                on_chunk(self.state.step)
+            while first < total or pending is not None:
+                ahead = None
+                if first < total and (pending is None or not pending.ends_at(boundary, total)):
+                    count = min(self.chunk, total - first, boundary - first % boundary)
+                    ahead = self._queue_chunk(first, count, self._host_records[buffer])
+                    first, buffer = first + count, 1 - buffer
+                if pending is not None:
+                    pending.done.synchronize()
+                    if self.first_chunk_done is None:
+                        self.first_chunk_done = (pending.first + pending.count, time.perf_counter())
+                    rows = held + pending.rows(self.chunk)
+                    held = [rows.pop()] if ahead is not None else []
+                    after = held[0].scale if held else self.scaler.stats().scale  # queue empty: a short wait
+                    for outcome in _outcomes(rows, after, skipped):
+                        skipped = outcome.skipped_total
+                        self.state.step = outcome.step
+                        self.state.history.append(outcome)
+                        on_step(outcome)
+                    if ahead is None:
+                        on_boundary(self.state.step)
+                pending = ahead
+
+    def _queue_chunk(self, first: int, count: int, host_records: list[np.ndarray]) -> _Chunk:
+        """Queue ``count`` steps, then the copy of their records into ``host_records`` (pinned memory)."""
+        for _ in range(count):
+            self.launch()
+        for record, host in zip(self._records, host_records):
+            cupy.asnumpy(record, stream=self.stream, out=host, blocking=False)
+        return _Chunk(first, count, host_records, self.stream.record())
 
     def launch(self) -> None:
         """Run one step: eagerly, or as a replay of the graph captured after the first eager step."""
@@ -238,32 +271,11 @@ class DeviceTrainer:
             self._graph = self.stream.end_capture()
 
     def read_back(self, first: int, count: int) -> list[StepOutcome]:
-        """Wait for the chunk's steps and turn their records into outcomes (events come from the scales)."""
-        losses, accuracies, scales, finites = (cupy.asnumpy(record, stream=self.stream) for record in self._records)
+        """Wait for every step queued so far and return the outcomes of the last ``count``, from step ``first``."""
+        records = [cupy.asnumpy(record, stream=self.stream) for record in self._records]
+        rows = _Chunk(first, count, records, None).rows(self.chunk)
         stats = self.scaler.stats()
-        skipped_before = stats.skipped_steps - sum(
-            not finites[step % self.chunk] for step in range(first, first + count)
-        )
-        outcomes = []
-        for offset, step in enumerate(range(first, first + count)):
-            slot = step % self.chunk
-            scale = float(scales[slot])
-            after = float(scales[(step + 1) % self.chunk]) if offset + 1 < count else stats.scale
-            skipped = not bool(finites[slot])
-            skipped_before += skipped
-            outcomes.append(
-                StepOutcome(
-                    step=step + 1,
-                    loss=float(losses[slot]),
-                    accuracy=float(accuracies[slot]),
-                    scale=scale,
-                    skipped=skipped,
-                    backoff=(scale, after) if after < scale else None,
-                    growth=(scale, after) if after > scale else None,
-                    skipped_total=skipped_before,
-                )
-            )
-        return outcomes
+        return _outcomes(rows, stats.scale, stats.skipped_steps - sum(not row.finite for row in rows))
 
     def evaluate(self) -> tuple[float, float]:
         """Return the held-out (loss, accuracy) of the current fp16 weights (synchronizes)."""
@@ -272,3 +284,57 @@ class DeviceTrainer:
             loss = float(cross_entropy(cupy, fwd.probs, self._y_eval))
             accuracy = float((fwd.probs.argmax(axis=1) == self._y_eval).mean())
         return loss, accuracy
+
+
+class _Row(NamedTuple):
+    """One step's record as read back: its number (from 0), loss, accuracy, the scale it used, its verdict."""
+
+    step: int
+    loss: float
+    accuracy: float
+    scale: float
+    finite: bool
+
+
+@dataclass(frozen=True)
+class _Chunk:
+    """Steps queued together, and the host arrays their records are copied into (complete once ``done`` is)."""
+
+    first: int
+    count: int
+    records: list[np.ndarray]
+    done: Any  # the cupy.cuda.Event recorded after the copy, or None when the records were read already
+
+    def ends_at(self, boundary: int, total: int) -> bool:
+        """Whether the chunk's last step is a multiple of ``boundary`` or ``total``."""
+        end = self.first + self.count
+        return end == total or end % boundary == 0
+
+    def rows(self, slots: int) -> list[_Row]:
+        """Return the chunk's steps' records, from a ring of ``slots`` records indexed by step."""
+        losses, accuracies, scales, finites = self.records
+        return [
+            _Row(step, float(losses[s]), float(accuracies[s]), float(scales[s]), bool(finites[s]))
+            for step, s in ((step, step % slots) for step in range(self.first, self.first + self.count))
+        ]
+
+
+def _outcomes(rows: list[_Row], after_last: float, skipped_before: int) -> list[StepOutcome]:
+    """Turn consecutive steps' records into outcomes; a step's update did what the next step's scale shows
+    (``after_last`` for the last); ``skipped_before`` counts the skipped steps before the first."""
+    outcomes = []
+    for row, after in zip(rows, [row.scale for row in rows[1:]] + [after_last]):
+        skipped_before += not row.finite
+        outcomes.append(
+            StepOutcome(
+                step=row.step + 1,
+                loss=row.loss,
+                accuracy=row.accuracy,
+                scale=row.scale,
+                skipped=not row.finite,
+                backoff=(row.scale, after) if after < row.scale else None,
+                growth=(row.scale, after) if after > row.scale else None,
+                skipped_total=skipped_before,
+            )
+        )
+    return outcomes
