@@ -11,7 +11,7 @@ import stat
 
 from cupy_amp.errors import ArgumentTypeError
 
-__all__ = ["file_path", "read_regular_file", "write_file_atomic"]
+__all__ = ["file_path", "read_file_start", "read_regular_file", "write_file_atomic"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +53,24 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, error: type[Exce
         error: Not a regular file, or larger than ``limit`` (the message says which).
         OSError: The file cannot be opened or read; passed through unchanged.
     """
+    data = _read_regular(path, limit, error, whole=True)
+    if len(data) > limit:
+        raise error(f"more than {limit} bytes, over the {limit}-byte limit; refusing to read it.")
+    return data
+
+
+def read_file_start(path: str | os.PathLike[str], count: int, error: type[Exception]) -> bytes:
+    """Return the first ``count`` bytes (fewer if it is shorter) of the regular file at ``path``.
+
+    Raises:
+        error: Not a regular file.
+        OSError: The file cannot be opened or read; passed through unchanged.
+    """
+    return _read_regular(path, count - 1, error, whole=False)
+
+
+def _read_regular(path: str | os.PathLike[str], limit: int, error: type[Exception], *, whole: bool) -> bytes:
+    """Read at most ``limit + 1`` bytes of a regular file (refusing, when ``whole``, one over ``limit``)."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
     fd = os.open(file_path(path), flags)
     try:
@@ -60,7 +78,7 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, error: type[Exce
         if not stat.S_ISREG(info.st_mode):
             kind = _KINDS.get(stat.S_IFMT(info.st_mode), "not a regular file")
             raise error(f"{kind}, not a regular file; refusing to read it.")
-        if info.st_size > limit:
+        if whole and info.st_size > limit:
             raise error(f"{info.st_size} bytes, over the {limit}-byte limit; refusing to read it.")
         chunks, size = [], 0
         while size <= limit:
@@ -71,8 +89,6 @@ def read_regular_file(path: str | os.PathLike[str], limit: int, error: type[Exce
             size += len(chunk)
     finally:
         os.close(fd)
-    if size > limit:
-        raise error(f"more than {limit} bytes, over the {limit}-byte limit; refusing to read it.")
     return b"".join(chunks)
 
 

@@ -54,6 +54,7 @@ from cupy_amp.errors import (
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_int, expect_scale
 
 __all__ = [
+    "FILE_PREFIX",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MAX_CHECKPOINT_BYTES",
@@ -69,7 +70,7 @@ MAX_CHECKPOINT_BYTES = 1 << 20
 TORCH_STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 # Every file starts with these bytes: a map of 4 entries whose first is "format": FORMAT_NAME.
-_HEADER = b"\x84" + msgpack.packb("format") + msgpack.packb(FORMAT_NAME)
+FILE_PREFIX = b"\x84" + msgpack.packb("format") + msgpack.packb(FORMAT_NAME)
 _TRAILER = 5  # 0xCE, msgpack's uint32 marker, then the CRC-32
 # Versions 1 and 2 hold fewer than 20 scalar fields; a little room is left so that a value
 # of the wrong kind is reported by field name rather than as unreadable bytes.
@@ -252,7 +253,7 @@ class GradScalerCheckpoint:
         """
         packer = msgpack.Packer(use_single_float=False, use_bin_type=True, strict_types=True, datetime=False)
         parts = ("version", FORMAT_VERSION, "payload", self.to_dict(), "crc32")
-        body: bytes = _HEADER + b"".join(packer.pack(part) for part in parts)
+        body: bytes = FILE_PREFIX + b"".join(packer.pack(part) for part in parts)
         return body + b"\xce" + zlib.crc32(body).to_bytes(4, "big")
 
     @classmethod
@@ -357,19 +358,19 @@ def decode_checkpoint(data: bytes | bytearray | memoryview) -> tuple[int, GradSc
         raise CheckpointCorruptError(
             f"{len(data)} bytes, over the {MAX_CHECKPOINT_BYTES}-byte limit; refusing to read it."
         )
-    if not data.startswith(_HEADER):
+    if not data.startswith(FILE_PREFIX):
         raise CheckpointCorruptError(
             f"not a cupy-amp checkpoint: it does not start with a msgpack map of 4 entries whose first is "
             f"'format': {FORMAT_NAME!r}."
         )
-    if len(data) < len(_HEADER) + _TRAILER or data[-_TRAILER] != 0xCE:
+    if len(data) < len(FILE_PREFIX) + _TRAILER or data[-_TRAILER] != 0xCE:
         raise CheckpointCorruptError("no CRC-32 at the end of the file: it is truncated or damaged.")
     stored, computed = int.from_bytes(data[-4:], "big"), zlib.crc32(data[:-_TRAILER])
     if stored != computed:
         raise CheckpointCorruptError(
             f"CRC-32 mismatch (stored 0x{stored:08x}, computed 0x{computed:08x}): the file is truncated or damaged."
         )
-    body = data[len(_HEADER) : -_TRAILER]
+    body = data[len(FILE_PREFIX) : -_TRAILER]
     unpacker = msgpack.Unpacker(
         None, raw=False, strict_map_key=True, object_pairs_hook=_map, ext_hook=_no_ext, max_buffer_size=len(body),
         **_LIMITS,

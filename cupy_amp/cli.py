@@ -3,6 +3,7 @@
 Subcommands::
 
     cupy-amp inspect FILE [--json]   print a file's fields
+    cupy-amp inspect --torch FILE    print a checkpoint as PyTorch's GradScaler.state_dict(), as JSON
     cupy-amp validate FILE...        check that files are intact, valid checkpoints or optimizer states
     cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
@@ -26,11 +27,13 @@ import argparse
 import json
 import os
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import TextIO
 
 from cupy_amp import __version__
-from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, read_checkpoint
+from cupy_amp._fileio import read_file_start
+from cupy_amp.checkpoint import FILE_PREFIX, FORMAT_NAME, FORMAT_VERSION, read_checkpoint
 from cupy_amp.errors import CheckpointError
 from cupy_amp.optim import state_file
 from cupy_amp.rule import power_of_two
@@ -86,6 +89,12 @@ def _parser() -> argparse.ArgumentParser:
         help='print {"format": ..., "version": ..., "fields": {...}} as JSON: the version the file was written in, '
         "the fields as read (an older file upgraded to the current version); floats are exact",
     )
+    inspect.add_argument(
+        "--torch",
+        action="store_true",
+        help="print a scaler checkpoint as torch.amp.GradScaler.state_dict() would hold it, as JSON (load it with "
+        "scaler.load_state_dict(json.load(file))); what PyTorch has no place for is named on stderr",
+    )
     inspect.set_defaults(command=_inspect)
 
     validate = subcommands.add_parser(
@@ -102,34 +111,52 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _load(path: str) -> tuple[str, int, dict[str, object]]:
-    """Return a file's format name, version and fields; OSError becomes a one-line CheckpointError.
+_ZIP_PREFIX = b"PK\x03\x04"  # a zip archive, as NumPy's .npz files are
 
-    A scaler checkpoint, else an optimizer state; a file that is neither gets the checkpoint reader's error.
+
+def _load(path: str) -> tuple[str, int, dict[str, object]]:
+    """Return a file's format name, version and fields, read by the reader of the kind its first bytes name.
+
+    Raises:
+        CheckpointError: The file cannot be read, is of no kind cupy-amp writes, or is not valid as its kind;
+            one line naming the file, its kind and what is wrong.
     """
     try:
-        version, checkpoint = read_checkpoint(path)
+        start = read_file_start(path, max(len(FILE_PREFIX), len(state_file.FILE_PREFIX)), CheckpointError)
+        if start.startswith(FILE_PREFIX):
+            version, checkpoint = read_checkpoint(path)
+            return FORMAT_NAME, version, checkpoint.to_dict()
+        if start.startswith(state_file.FILE_PREFIX):
+            return _load_optimizer_state(path)
     except OSError as exc:
-        raise CheckpointError(f"checkpoint {path!r}: cannot read: {exc.strerror or exc}.") from None
-    except CheckpointError as not_a_checkpoint:
-        try:
-            # An optimizer state is as large as its parameters' buffers: without them, its own size is the bound.
-            state = state_file.read(path, os.path.getsize(path))
-        except (CheckpointError, OSError):
-            raise not_a_checkpoint from None
-        if not isinstance(state, dict) or state.get("format") != state_file.STATE_FORMAT:
-            raise not_a_checkpoint from None
-        try:
-            layout, record, buffers = state_file.validated(state)
-        except CheckpointError as exc:
-            raise CheckpointError(f"optimizer state {path!r}: {exc}") from None
-        fields: dict[str, object] = {"kind": layout.kind}
-        fields.update({name: record[name].item() for name in layout.persistent})
-        for name, entries in buffers.items():
-            values = sum(len(data) // 4 for data in entries if data is not None)
-            fields[f"buffers.{name}"] = f"{len(entries)} entries, {values} float32 values"
-        return state_file.STATE_FORMAT, int(state["version"]), fields
-    return FORMAT_NAME, version, checkpoint.to_dict()
+        raise CheckpointError(f"{path!r}: cannot read: {exc.strerror or exc}.") from None
+    except CheckpointError as exc:
+        text = str(exc)
+        raise CheckpointError(text if repr(path) in text else f"{path!r}: {text}") from None
+    if start.startswith(_ZIP_PREFIX):
+        raise CheckpointError(
+            f"{path!r}: a zip archive (a NumPy .npz), not a cupy-amp checkpoint or optimizer state. The demo's "
+            "state.npz holds a run's weights and history: continue the run with `cupy-amp demo --resume DIR`."
+        )
+    raise CheckpointError(
+        f"{path!r}: not a cupy-amp file: it starts as neither a scaler checkpoint (a msgpack map whose first "
+        f"entry is 'format': {FORMAT_NAME!r}) nor an optimizer state ('format': {state_file.STATE_FORMAT!r})."
+    )
+
+
+def _load_optimizer_state(path: str) -> tuple[str, int, dict[str, object]]:
+    """Read and check an optimizer state file as far as no optimizer is needed."""
+    try:
+        # An optimizer state is as large as its parameters' buffers: without them, its own size is the bound.
+        layout, record, buffers = state_file.validated(state_file.read(path, os.path.getsize(path)))
+    except CheckpointError as exc:
+        raise CheckpointError(f"optimizer state {path!r}: {exc}") from None
+    fields: dict[str, object] = {"kind": layout.kind}
+    fields.update({name: record[name].item() for name in layout.persistent})
+    for name, entries in buffers.items():
+        values = sum(len(data) // 4 for data in entries if data is not None)
+        fields[f"buffers.{name}"] = f"{len(entries)} entries, {values} float32 values"
+    return state_file.STATE_FORMAT, state_file.STATE_VERSION, fields
 
 
 def _inspect(args: argparse.Namespace) -> int:
@@ -138,6 +165,8 @@ def _inspect(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         _print(f"cupy-amp inspect: {exc}", sys.stderr)
         return EXIT_INVALID
+    if args.torch:
+        return _print_torch_state_dict(args.file, format_name)
     if args.json:
         _print(json.dumps({"format": format_name, "version": version, "fields": fields}, indent=2), sys.stdout)
         return EXIT_OK
@@ -149,6 +178,23 @@ def _inspect(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in rows) + 1
     for name, text in rows:
         _print(f"{name + ':':<{width}} {text}", sys.stdout)
+    return EXIT_OK
+
+
+def _print_torch_state_dict(path: str, format_name: str) -> int:
+    if format_name != FORMAT_NAME:
+        _print(
+            f"cupy-amp inspect: --torch converts scaler checkpoints; {path!r} is an optimizer state, which has no "
+            "torch.optim form here (its fields: cupy-amp inspect FILE)",
+            sys.stderr,
+        )
+        return EXIT_INVALID
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state_dict = read_checkpoint(path)[1].to_torch_state_dict()
+    for warning in caught:
+        _print(f"cupy-amp inspect: note: {warning.message}", sys.stderr)
+    _print(json.dumps(state_dict, indent=2), sys.stdout)
     return EXIT_OK
 
 

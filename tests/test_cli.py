@@ -189,7 +189,7 @@ def test_inspect_missing_file_is_a_clean_error(tmp_path: Path, capsys: pytest.Ca
     assert main(["inspect", str(missing)]) == 1
     captured = capsys.readouterr()
     assert captured.out == ""
-    assert captured.err == f"cupy-amp inspect: checkpoint {str(missing)!r}: cannot read: No such file or directory.\n"
+    assert captured.err == f"cupy-amp inspect: {str(missing)!r}: cannot read: No such file or directory.\n"
 
 
 def test_inspect_corrupt_file_says_why(corrupt: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -243,10 +243,10 @@ def test_validate_reports_each_bad_file_on_stderr(
     assert len(errors) == 5
     assert errors[0].startswith(f"FAIL  checkpoint {str(corrupt)!r}: ")
     assert "truncated or damaged" in errors[0]
-    assert errors[1] == f"FAIL  checkpoint {str(missing)!r}: cannot read: No such file or directory."
+    assert errors[1] == f"FAIL  {str(missing)!r}: cannot read: No such file or directory."
     assert "upgrade cupy-amp" in errors[2]
     assert "Invalid 'growths'" in errors[3]
-    assert errors[4] == f"FAIL  checkpoint {str(tmp_path)!r}: a directory, not a regular file; refusing to read it."
+    assert errors[4] == f"FAIL  {str(tmp_path)!r}: a directory, not a regular file; refusing to read it."
 
 
 def test_validate_without_files_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -40,12 +40,13 @@ _PARAM_DTYPES = ("float16", "bfloat16", "float32")
 _T = TypeVar("_T")
 
 
-def _number(name: str, value: object, low: float, high: float = math.inf, *, high_open: bool = False) -> float:
+def _number(name: str, value: object, field: str) -> float:
+    """Return ``value`` as a float if it lies in the state files' range for ``field``; ``name`` is the argument's."""
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
     number = float(value) if ok and state_file.finite(value) else math.nan  # type: ignore[arg-type]
-    if not (math.isfinite(number) and low <= number and (number < high if high_open else number <= high)):
-        bound = f"< {high}" if high_open else (f"<= {high}" if math.isfinite(high) else "finite")
-        raise ConfigError(f"Invalid {name!r}: expected a number >= {low} and {bound}, got {value!r}.")
+    allowed = state_file.RANGES[field]
+    if not (math.isfinite(number) and allowed.admits(number)):
+        raise ConfigError(f"Invalid {name!r}: expected {allowed.describe()}, got {value!r}.")
     return number
 
 
@@ -175,7 +176,7 @@ class _FusedOptimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        lr = _number("lr", value, 0.0)
+        lr = _number("lr", value, "lr")
         self._exclusive("lr", lambda: self._set_lr(lr))
 
     def _set_lr(self, lr: float) -> None:
@@ -541,11 +542,11 @@ class AdamW(_FusedOptimizer):
         super().__init__(
             params,
             {
-                "lr": _number("lr", lr, 0.0),
-                "beta1": _number("betas[0]", betas[0], 0.0, 1.0, high_open=True),
-                "beta2": _number("betas[1]", betas[1], 0.0, 1.0, high_open=True),
-                "eps": _number("eps", eps, 0.0),
-                "weight_decay": _number("weight_decay", weight_decay, 0.0),
+                "lr": _number("lr", lr, "lr"),
+                "beta1": _number("betas[0]", betas[0], "beta1"),
+                "beta2": _number("betas[1]", betas[1], "beta2"),
+                "eps": _number("eps", eps, "eps"),
+                "weight_decay": _number("weight_decay", weight_decay, "weight_decay"),
             },
         )
 
@@ -582,14 +583,15 @@ class SGD(_FusedOptimizer):
         if not isinstance(nesterov, (bool, np.bool_)):
             raise ConfigError(f"Invalid 'nesterov': expected a bool, got {nesterov!r}.")
         hyper = {
-            "lr": _number("lr", lr, 0.0),
-            "momentum": _number("momentum", momentum, 0.0),
-            "dampening": _number("dampening", dampening, 0.0, 1.0),
-            "weight_decay": _number("weight_decay", weight_decay, 0.0),
+            "lr": _number("lr", lr, "lr"),
+            "momentum": _number("momentum", momentum, "momentum"),
+            "dampening": _number("dampening", dampening, "dampening"),
+            "weight_decay": _number("weight_decay", weight_decay, "weight_decay"),
             "nesterov": float(bool(nesterov)),
         }
-        if nesterov and (hyper["momentum"] == 0.0 or hyper["dampening"] != 0.0):
-            raise ConfigError("Invalid 'nesterov': Nesterov momentum needs momentum > 0 and dampening 0.")
+        problem = state_file.nesterov_problem(hyper["momentum"], hyper["dampening"]) if nesterov else None
+        if problem is not None:
+            raise ConfigError(f"Invalid 'nesterov': expected False unless {problem}, got True.")
         self._with_momentum = hyper["momentum"] != 0.0
         super().__init__(params, hyper)
 

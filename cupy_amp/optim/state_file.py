@@ -26,11 +26,68 @@ from cupy_amp._fileio import read_regular_file, write_file_atomic
 from cupy_amp.errors import CheckpointCorruptError, CheckpointFieldError
 from cupy_amp.kernel_interface import ADAMW_STATE, SGD_STATE
 
-__all__ = ["ADAMW", "LAYOUTS", "SGD", "STATE_FORMAT", "STATE_VERSION", "Layout", "read", "validated", "write"]
+__all__ = [
+    "ADAMW",
+    "FILE_PREFIX",
+    "LAYOUTS",
+    "RANGES",
+    "SGD",
+    "STATE_FORMAT",
+    "STATE_VERSION",
+    "Layout",
+    "Range",
+    "nesterov_problem",
+    "power_bounds",
+    "read",
+    "validated",
+    "write",
+]
 
 STATE_FORMAT = "cupy-amp.optimizer"
 STATE_VERSION = 1
+# Every file starts with these bytes: a msgpack map of 5 entries whose first is "format": STATE_FORMAT.
+FILE_PREFIX = b"\x85" + msgpack.packb("format") + msgpack.packb(STATE_FORMAT)
 LAST_STEP = 2**64 - 2  # the largest step counter a state may hold: one more step must not wrap the uint64
+REPLAY_LIMIT = 1 << 24  # the most products a power's check replays (0.4 s): no file costs more
+
+
+class Range(NamedTuple):
+    """The numbers a hyperparameter may be: from ``low`` up to ``high`` (below it when ``high_open``)."""
+
+    low: float
+    high: float = math.inf
+    high_open: bool = False
+
+    def admits(self, value: float) -> bool:
+        """Whether the finite float ``value`` lies in the range."""
+        return self.low <= value and (value < self.high if self.high_open else value <= self.high)
+
+    def describe(self) -> str:
+        """The range in words, for an error message."""
+        bound = f"< {self.high}" if self.high_open else (f"<= {self.high}" if math.isfinite(self.high) else "finite")
+        return f"a number >= {self.low} and {bound}"
+
+
+# The hyperparameters' ranges, for the optimizers' constructors and the state files alike.
+RANGES = {
+    "lr": Range(0.0),
+    "beta1": Range(0.0, 1.0, high_open=True),
+    "beta2": Range(0.0, 1.0, high_open=True),
+    "eps": Range(0.0),
+    "weight_decay": Range(0.0),
+    "momentum": Range(0.0),
+    "dampening": Range(0.0, 1.0),
+    "beta1_power": Range(0.0, 1.0),  # a product of betas, 1.0 before the first step
+    "beta2_power": Range(0.0, 1.0),
+}
+FLAGS = ("nesterov",)  # record fields that are a bool: True/False or 1/0 in a file
+
+
+def nesterov_problem(momentum: float, dampening: float) -> str | None:
+    """Say why Nesterov momentum cannot run with these values, or None when it can."""
+    if momentum > 0.0 and dampening == 0.0:
+        return None
+    return f"momentum > 0 and dampening 0 (Nesterov momentum needs both; momentum {momentum!r}, dampening {dampening!r})"
 
 
 class Layout(NamedTuple):
@@ -127,6 +184,8 @@ def validated(state: Any) -> tuple[Layout, np.ndarray, dict[str, list[bytes | No
 
 
 def _checked_record(layout: Layout, fields: Any) -> np.ndarray:
+    """Check the record field by field, the cheap checks first: kinds and ranges, then how the fields agree,
+    then the powers, whose check costs at most REPLAY_LIMIT products."""
     names = layout.persistent
     if not isinstance(fields, dict) or set(fields) != set(names):
         got = sorted(map(str, fields)) if isinstance(fields, dict) else type(fields).__name__
@@ -138,16 +197,31 @@ def _checked_record(layout: Layout, fields: Any) -> np.ndarray:
             # One more step must not wrap the uint64 counter (the kernel would go on from 0).
             if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= LAST_STEP:
                 raise invalid(field, "an int from 0 to 2**64 - 2", repr(value))
+        elif name in FLAGS:
+            if not (isinstance(value, bool) or (type(value) is int and value in (0, 1))):
+                raise invalid(field, "a bool (true or false, or 1 or 0)", repr(value))
+            value = int(value)
         elif not isinstance(value, (int, float)) or isinstance(value, bool) or not finite(value):
             raise invalid(field, "a finite number", repr(value))
-        elif name == "lr" and not value >= 0:
-            raise invalid(field, "a number >= 0", repr(value))
+        elif not RANGES[name].admits(float(value)):
+            raise invalid(field, RANGES[name].describe(), repr(value))
         record[name] = value
+    if layout.kind == "sgd" and record["nesterov"]:
+        problem = nesterov_problem(float(record["momentum"]), float(record["dampening"]))
+        if problem is not None:
+            raise invalid("record.nesterov", f"false unless {problem}", repr(fields["nesterov"]))
     for name, beta in layout.powers:
         # The powers are the products each step makes, replayed: the kernel can reach no other value.
-        power = replayed_power(float(record[beta]), int(record["step"]))
-        if float(record[name]).hex() != power.hex():
-            expected = f"{power!r} ({beta} multiplied {int(record['step'])} times into 1.0, as the steps do)"
+        low, high = power_bounds(float(record[beta]), int(record["step"]))
+        value = float(record[name])
+        if low == high and value.hex() != low.hex():
+            expected = f"{low!r} ({beta} multiplied {int(record['step'])} times into 1.0, as the steps do)"
+            raise invalid(f"record.{name}", expected, repr(fields[name]))
+        if not low <= value <= high:
+            expected = (
+                f"a number from {low!r} to {high!r} ({beta} multiplied {int(record['step'])} times into 1.0, "
+                f"replayed for {REPLAY_LIMIT} steps and bounded for the rest)"
+            )
             raise invalid(f"record.{name}", expected, repr(fields[name]))
     return record
 
@@ -163,25 +237,38 @@ def finite(value: Any) -> bool:
         return False
 
 
-def replayed_power(beta: float, steps: int) -> float:
-    """Return 1.0 multiplied ``steps`` times by ``beta`` in float64, rounding each product, as the steps do.
+def power_bounds(beta: float, steps: int) -> tuple[float, float]:
+    """Return the values 1.0 multiplied ``steps`` times by ``beta`` (0 <= beta < 1) can hold, as (low, high).
 
-    The products never grow (0 <= beta < 1), so once a block of them leaves the value unchanged it is the
-    value of every later step: the work stops at ``steps`` or there (about 745 / (1 - beta) steps), at
-    roughly 20 ns a product.
+    The steps round each float64 product. The products are replayed, so
+    ``low == high`` is the exact value, until they stop changing (a fixed
+    point, reached after about 745 / (1 - beta) steps) or for REPLAY_LIMIT
+    products at most. Past that limit each remaining product is within a
+    rounding of beta times the last, so the value lies between the replayed
+    one times beta**r * (1 -+ 2**-53)**r for the r steps left (widened by a
+    little for the logarithms' own rounding; down to 0 where that reaches
+    float64's subnormals). Either way the work is bounded, whatever the file.
     """
     power, done = 1.0, 0
-    while done < steps:
-        count = min(steps - done, 1 << 16)
+    while done < min(steps, REPLAY_LIMIT):
+        count = min(min(steps, REPLAY_LIMIT) - done, 1 << 16)
         value = power
         for _ in range(count >> 3):
             value = value * beta * beta * beta * beta * beta * beta * beta * beta
         for _ in range(count & 7):
             value *= beta
-        if value == power:
-            break
+        if value == power:  # a fixed point: every later product gives it again
+            return power, power
         power, done = value, done + count
-    return power
+    left = steps - done
+    if left == 0 or power == 0.0:
+        return power, power
+    # log(value) = log(power) + left * log(beta) +- left * log1p(2**-53), each term to a few ulps
+    centre = math.log(power) + left * math.log(beta) if beta > 0.0 else -math.inf
+    spread = left * math.log1p(2.0**-53) + 1e-12 * (abs(centre) + 1.0)
+    high = max(math.exp(min(centre + spread, 0.0)), 2.0**-1000)  # a subnormal's rounding is not relative
+    low = math.exp(centre - spread)
+    return (0.0 if low < 2.0**-1000 else low), min(high, power)
 
 
 def unreachable(values: np.ndarray, name: str, fresh: bool) -> tuple[str, str] | None:
