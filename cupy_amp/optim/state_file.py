@@ -87,7 +87,8 @@ def nesterov_problem(momentum: float, dampening: float) -> str | None:
     """Say why Nesterov momentum cannot run with these values, or None when it can."""
     if momentum > 0.0 and dampening == 0.0:
         return None
-    return f"momentum > 0 and dampening 0 (Nesterov momentum needs both; momentum {momentum!r}, dampening {dampening!r})"
+    given = f"momentum {momentum!r}, dampening {dampening!r}"
+    return f"momentum > 0 and dampening 0 (Nesterov momentum needs both; {given})"
 
 
 class Layout(NamedTuple):
