@@ -21,6 +21,7 @@ __all__ = [
     "capture",
     "open_step",
     "saved_arrays",
+    "saved_file",
 ]
 
 
@@ -87,9 +88,22 @@ def assert_same_bits(actual: Any, expected: Any) -> None:
     np.testing.assert_array_equal(bits(actual), bits(expected))
 
 
+def saved_file(directory: Path, name: str) -> Path:
+    """Return the path of ``name`` in the newest save of a demo run directory."""
+    from cupy_amp.demo.run_files import latest_save
+
+    save = latest_save(directory)
+    assert save is not None, f"{directory} holds no save"
+    return save / name
+
+
 def saved_arrays(directory: Path) -> dict[str, np.ndarray]:
-    """Return every array of a demo run's state.npz."""
-    with np.load(directory / "state.npz", allow_pickle=False) as npz:
+    """Return every array of the newest save's state.npz in a demo run directory."""
+    from cupy_amp.demo.run_files import latest_save
+
+    save = latest_save(directory)
+    assert save is not None, f"{directory} holds no save"
+    with np.load(save / "state.npz", allow_pickle=False) as npz:
         return {key: npz[key] for key in npz.files}
 
 

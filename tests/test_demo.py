@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import saved_arrays
+from helpers import saved_arrays, saved_file
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.cli import main
@@ -75,7 +75,7 @@ def test_default_settings_log_overflows_backoffs_and_growths(uninterrupted: tupl
 
 def test_the_log_agrees_with_the_saved_scaler_counters(uninterrupted: tuple[Path, Result]) -> None:
     directory, result = uninterrupted
-    checkpoint = GradScalerCheckpoint.load(directory / "scaler.ckpt")
+    checkpoint = GradScalerCheckpoint.load(saved_file(directory, "scaler.ckpt"))
     assert checkpoint.steps == STEPS
     assert checkpoint.backoffs == result.out.count("backoff: scale")
     assert checkpoint.growths == result.out.count("growth: scale")
@@ -83,12 +83,14 @@ def test_the_log_agrees_with_the_saved_scaler_counters(uninterrupted: tuple[Path
     assert f"skipped  {checkpoint.skipped_steps} of {STEPS} steps" in result.out
 
 
-def test_the_checkpoint_is_valid_for_the_validate_command(uninterrupted: tuple[Path, Result]) -> None:
+def test_the_saved_files_are_valid_for_the_validate_command(uninterrupted: tuple[Path, Result]) -> None:
     directory, _ = uninterrupted
+    assert os.listdir(directory) == [f"step-{STEPS:06d}"]  # the last save alone: no older one, no temporary files
+    save = directory / f"step-{STEPS:06d}"
+    assert sorted(os.listdir(save)) == ["adamw.state", "scaler.ckpt", "state.npz"]
     with contextlib.redirect_stdout(io.StringIO()) as out:
-        assert main(["validate", str(directory / "scaler.ckpt")]) == 0
-    assert out.getvalue().startswith("OK  ")
-    assert sorted(os.listdir(directory)) == ["scaler.ckpt", "state.npz"]  # no temporary files left
+        assert main(["validate", str(save / "scaler.ckpt"), str(save / "adamw.state")]) == 0
+    assert out.getvalue().splitlines() == [f"OK  {save / 'scaler.ckpt'}", f"OK  {save / 'adamw.state'}"]
 
 
 def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(
@@ -97,7 +99,7 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(
     full_dir, full = uninterrupted
     first = demo("--steps", str(HALF), "--out", str(tmp_path), "--save-every", "50")
     assert first.status == 0, first.err
-    assert GradScalerCheckpoint.load(tmp_path / "scaler.ckpt").steps == HALF
+    assert GradScalerCheckpoint.load(saved_file(tmp_path, "scaler.ckpt")).steps == HALF
     second = demo("--resume", str(tmp_path), "--steps", str(STEPS))
     assert second.status == 0, second.err
     assert f"resumed  from {tmp_path} at step {HALF}" in second.out
@@ -109,8 +111,8 @@ def test_resume_reproduces_the_uninterrupted_run_bit_for_bit(
         assert actual[key].tobytes() == value.tobytes(), key  # weights, Adam moments, loss history: bit for bit
     assert len(actual["history/loss"]) == STEPS
     assert (
-        GradScalerCheckpoint.load(tmp_path / "scaler.ckpt").to_dict()
-        == GradScalerCheckpoint.load(full_dir / "scaler.ckpt").to_dict()
+        GradScalerCheckpoint.load(saved_file(tmp_path, "scaler.ckpt")).to_dict()
+        == GradScalerCheckpoint.load(saved_file(full_dir, "scaler.ckpt")).to_dict()
     )
     # The final evaluation and the log of the second half match too.
     assert _line(second.out, "eval") == _line(full.out, "eval")
@@ -155,7 +157,7 @@ def test_a_new_run_does_not_overwrite_a_saved_one(uninterrupted: tuple[Path, Res
 def test_resume_from_a_directory_without_a_run_fails_cleanly(tmp_path: Path) -> None:
     result = demo("--resume", str(tmp_path))
     assert result.status == 1
-    assert "not a demo checkpoint directory" in result.err
+    assert "not a demo run (expected a step-N directory" in result.err
     assert "Traceback" not in result.err
 
 
@@ -163,10 +165,10 @@ def test_resume_detects_files_from_different_steps(tmp_path: Path) -> None:
     early, late = tmp_path / "early", tmp_path / "late"
     assert demo("--steps", "3", "--out", str(early)).status == 0
     assert demo("--steps", "4", "--out", str(late)).status == 0
-    (late / "scaler.ckpt").write_bytes((early / "scaler.ckpt").read_bytes())
+    saved_file(late, "scaler.ckpt").write_bytes(saved_file(early, "scaler.ckpt").read_bytes())
     result = demo("--resume", str(late), "--steps", "10")
     assert result.status == 1
-    assert "scaler.ckpt is at step 3 but state.npz at step 4" in result.err
+    assert "scaler.ckpt is at step 3, not 4" in result.err
 
 
 def test_compare_prints_three_rows_and_a_real_difference() -> None:
@@ -422,7 +424,7 @@ def test_the_console_entry_point_runs_the_demo_in_a_subprocess(tmp_path: Path) -
     assert done.returncode == 0, done.stderr
     assert done.stderr == ""
     assert "done     30 steps" in done.stdout
-    assert (tmp_path / "run" / "scaler.ckpt").is_file()
+    assert saved_file(tmp_path / "run", "scaler.ckpt").is_file()
 
 
 def test_the_example_script_trains(tmp_path: Path) -> None:
@@ -463,10 +465,10 @@ def test_resume_validates_every_setting_it_reads_back(
     document = json.loads(str(arrays["settings"]))
     document[group][name] = value
     arrays["settings"] = np.array(json.dumps(document))
-    np.savez(tmp_path / "state.npz", **arrays)
+    np.savez(saved_file(tmp_path, "state.npz"), **arrays)
     result = demo("--resume", str(tmp_path), "--steps", "6")
     assert result.status == 1
-    assert result.err.startswith(f"cupy-amp demo: cannot resume from {tmp_path}: ")
+    assert result.err.startswith(f"cupy-amp demo: cannot resume from {saved_file(tmp_path, '')}")
     assert shown in result.err
     assert "Traceback" not in result.err
     assert result.out == ""  # refused before training
@@ -478,7 +480,7 @@ def test_resume_refuses_a_state_file_with_unknown_settings(tmp_path: Path) -> No
     document = json.loads(str(arrays["settings"]))
     document["run"]["momentum"] = 0.9
     arrays["settings"] = np.array(json.dumps(document))
-    np.savez(tmp_path / "state.npz", **arrays)
+    np.savez(saved_file(tmp_path, "state.npz"), **arrays)
     result = demo("--resume", str(tmp_path), "--steps", "6")
     assert result.status == 1
     assert "momentum" in result.err
@@ -539,11 +541,11 @@ def test_a_clip_threshold_that_cannot_fit_float32_is_a_usage_error() -> None:
 
 def test_resume_refuses_an_optimizer_with_more_updates_than_steps(tmp_path: Path) -> None:
     assert demo("--steps", "3", "--out", str(tmp_path)).status == 0
-    arrays = saved_arrays(tmp_path)
-    arrays["adam_t"] = np.array(10**12, dtype=np.int64)
-    np.savez(tmp_path / "state.npz", **arrays)
+    later = tmp_path / "later"
+    assert demo("--steps", "20", "--out", str(later)).status == 0
+    saved_file(tmp_path, "adamw.state").write_bytes(saved_file(later, "adamw.state").read_bytes())
     result = demo("--resume", str(tmp_path), "--steps", "6")
-    assert result.status == 1 and "updates in 3 steps" in result.err
+    assert result.status == 1 and re.search(r"adamw\.state made \d+ updates in 3 steps", result.err), result.err
 
 
 @pytest.mark.slow

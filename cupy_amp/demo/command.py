@@ -1,29 +1,29 @@
-"""``cupy-amp demo``: from flags to the final summary; the log, the comparison, the plot and the saved run.
+"""``cupy-amp demo``: from flags to the final summary; the log, the comparison and the plot.
 
-A run is saved as ``scaler.ckpt`` (the scaler's checkpoint) beside ``state.npz``
-(everything else), each replaced atomically. The scaler file is written first
-and carries the step count, so a crash between the two writes is detected on
-resume instead of resuming a mix. Every setting read back is validated as a
-flag would be.
+A run's saves are :mod:`cupy_amp.demo.run_files`' (each save a directory, complete or absent).
 """
 
 from __future__ import annotations
 
 import argparse
-import io
-import json
 import os
 import time
-import zipfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import numpy as np
 
-from cupy_amp._fileio import read_regular_file, write_file_atomic
-from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.demo.model import Dataset, load_dataset, parameter_names
+from cupy_amp.demo.model import Dataset, load_dataset
+from cupy_amp.demo.run_files import (
+    OPTIMIZER_FILE,
+    SCALER_FILE,
+    STATE_FILE,
+    latest_save,
+    load_run,
+    save_name,
+    save_run,
+)
 from cupy_amp.demo.settings import (
     DEFAULT_STEPS,
     DemoError,
@@ -42,16 +42,13 @@ from cupy_amp.demo.training import (
     StepOutcome,
     Trainer,
     Underflow,
-    make_optimizer,
     make_scaler,
     new_state,
-    optimizer_arrays,
-    restore_optimizer,
     run_steps,
     select_device,
     small_matrix_threads,
 )
-from cupy_amp.errors import CheckpointError, ConfigError
+from cupy_amp.errors import ConfigError
 from cupy_amp.scaler import GradScaler
 from cupy_amp.statistics import GradientNumerics
 from cupy_amp.sync_free import SyncFreeGradScaler
@@ -59,10 +56,8 @@ from cupy_amp.sync_free import SyncFreeGradScaler
 if TYPE_CHECKING:
     from cupy_amp.demo.device_step import DeviceTrainer
 
-__all__ = ["SCALER_FILE", "STATE_FILE", "Reporter", "RunSummary", "run"]
+__all__ = ["Reporter", "RunSummary", "run"]
 
-SCALER_FILE = "scaler.ckpt"
-STATE_FILE = "state.npz"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
@@ -116,7 +111,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
             "step never waits for the device (run without them)"
         )
     plot_format = _plot_format(args.plot) if args.plot else None
-    saved = _load_run(Path(args.resume)) if args.resume else None
+    saved = load_run(Path(args.resume)) if args.resume else None
     settings, scaler_settings = settings_from_args(
         args, saved.settings if saved else None, saved.scaler_settings if saved else None
     )
@@ -131,7 +126,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         )
     out = Path(args.out) if args.out else (Path(args.resume) if args.resume else None)
     in_place = saved is not None and out is not None and out.resolve() == Path(args.resume).resolve()
-    if out is not None and not in_place and (out / STATE_FILE).exists():
+    if out is not None and not in_place and latest_save(out) is not None:
         raise DemoUsageError(
             f"{out} already holds a demo run; continue it with --resume {out}, or choose another --out directory"
         )
@@ -139,7 +134,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         scaler = GradScaler(**asdict(scaler_settings))
     except ConfigError as exc:
         if saved is not None:  # flags were checked by the parser: this is a saved run's setting
-            raise DemoError(f"cannot resume from {args.resume}: {STATE_FILE} holds invalid settings: {exc}") from None
+            raise DemoError(f"cannot resume from {saved.folder}: {STATE_FILE} holds invalid settings: {exc}") from None
         raise DemoUsageError(f"scaler parameters: {exc}") from None
     device, gpu_note = select_device(args.device)
     if (args.sync_free or args.graph) and device.kind != "gpu":
@@ -185,7 +180,7 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
 
     def save_at(step: int) -> None:
         if plan.out is not None and (step % args.save_every == 0 or step == plan.steps):
-            _save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
+            save_run(plan.out, settings, plan.scaler_settings, scaler, plan.state, plan.device)
             progress["saved"] = step
 
     def on_step(outcome: StepOutcome) -> None:
@@ -231,7 +226,7 @@ def _train(args: argparse.Namespace, plan: _Plan, reporter: Reporter, progress: 
         reporter.line(f"plot     {args.plot}")
     if plan.out is not None:
         reporter.line(
-            f"saved    {plan.out / SCALER_FILE} and {plan.out / STATE_FILE} (step {plan.state.step}); "
+            f"saved    {plan.out / save_name(plan.state.step)}: {SCALER_FILE}, {OPTIMIZER_FILE}, {STATE_FILE}; "
             f"continue with: cupy-amp demo --resume {plan.out} --steps N (N > {plan.state.step})"
         )
 
@@ -558,116 +553,3 @@ def _save_plot(
         zeros_axis.grid(True, alpha=0.3)
         zeros_axis.legend(loc="upper right", ncol=3, fontsize="small")
     figure.savefig(os.fspath(path), dpi=110, format=image_format)
-
-
-# The saved run
-
-
-_FORMAT, _VERSION = "cupy-amp-demo", 2  # 2: the fused AdamW, and --clip
-_HISTORY = ("loss", "accuracy", "scale", "skipped")
-
-
-@dataclass(frozen=True)
-class _SavedRun:
-    """A run read back from its directory, in host memory."""
-
-    settings: Settings
-    scaler_settings: ScalerSettings
-    scaler: GradScalerCheckpoint
-    state: RunState
-
-    def to_device(self, device: Device) -> RunState:
-        """Return the state with its arrays moved to ``device``."""
-
-        def move(arrays: dict[str, Any]) -> dict[str, Any]:
-            return {name: device.xp.asarray(array) for name, array in arrays.items()}
-
-        masters = move(self.state.masters)
-        optimizer = make_optimizer(self.settings, masters)
-        optimizer.load_state_dict(self.state.optimizer.state_dict())
-        return RunState(step=self.state.step, masters=masters, optimizer=optimizer, history=self.state.history)
-
-
-def _save_run(
-    folder: Path,
-    settings: Settings,
-    scaler_settings: ScalerSettings,
-    scaler: GradScaler | SyncFreeGradScaler,
-    state: RunState,
-    device: Device,
-) -> None:
-    """Write the scaler checkpoint, then the model/optimizer state, each atomically."""
-    folder.mkdir(parents=True, exist_ok=True)
-    scaler.checkpoint().save(folder / SCALER_FILE)
-    document = {"run": {**asdict(settings), "hidden": list(settings.hidden)}, "scaler": asdict(scaler_settings)}
-    arrays: dict[str, Any] = {
-        "format": np.array(_FORMAT),
-        "version": np.array(_VERSION, dtype=np.int64),
-        "settings": np.array(json.dumps(document)),
-        "step": np.array(state.step, dtype=np.int64),
-        **optimizer_arrays(state.optimizer, list(state.masters)),
-    }
-    for name, array in state.masters.items():
-        arrays[f"master/{name}"] = device.to_host(array)
-    for name in _HISTORY:
-        arrays[f"history/{name}"] = np.array(getattr(state.history, name), dtype=bool if name == "skipped" else float)
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_file_atomic(folder / STATE_FILE, buffer.getvalue())
-
-
-def _load_run(folder: Path) -> _SavedRun:
-    """Read a run saved by :func:`_save_run`.
-
-    Raises:
-        DemoError: A file is missing, unreadable or of another format, or the two files are from different steps.
-    """
-    state_path, scaler_path = folder / STATE_FILE, folder / SCALER_FILE
-    if not state_path.is_file() or not scaler_path.is_file():
-        raise DemoError(
-            f"{folder}: not a demo checkpoint directory (expected {SCALER_FILE} and {STATE_FILE}, "
-            f"written by cupy-amp demo --out)"
-        )
-    try:
-        checkpoint = GradScalerCheckpoint.load(scaler_path)
-        data = read_regular_file(state_path, 1 << 30, DemoError)
-        with np.load(io.BytesIO(data), allow_pickle=False) as npz:
-            arrays = {key: npz[key] for key in npz.files}
-        saved = _parse_run(arrays, checkpoint)
-    except (CheckpointError, OSError, ValueError, KeyError, TypeError, zipfile.BadZipFile) as exc:
-        raise DemoError(f"cannot resume from {folder}: {exc}") from None
-    if checkpoint.steps != saved.state.step:
-        raise DemoError(
-            f"cannot resume from {folder}: {SCALER_FILE} is at step {checkpoint.steps} but {STATE_FILE} at step "
-            f"{saved.state.step} (a save was interrupted between the two files); start a new run"
-        )
-    return saved
-
-
-def _parse_run(arrays: dict[str, np.ndarray], checkpoint: GradScalerCheckpoint) -> _SavedRun:
-    if str(arrays["format"]) != _FORMAT or int(arrays["version"]) != _VERSION:
-        raise ValueError(f"{STATE_FILE} is not a demo state of format {_FORMAT} version {_VERSION}")
-    document = json.loads(str(arrays["settings"]))
-    run = dict(document["run"])
-    run["hidden"] = tuple(run["hidden"]) if isinstance(run["hidden"], list) else run["hidden"]
-    settings = Settings(**run)
-    problem = check_settings(settings)
-    if problem is not None:
-        raise ValueError(f"{STATE_FILE} holds invalid settings: {problem}")
-    scaler_settings = ScalerSettings(**document["scaler"])
-    step = int(arrays["step"])
-    history = History(**{name: arrays[f"history/{name}"].tolist() for name in _HISTORY})
-    if any(len(getattr(history, name)) != step for name in _HISTORY):
-        raise ValueError(f"the history of {STATE_FILE} holds {len(history)} steps, expected {step}")
-    names = parameter_names(len(settings.hidden) + 1)
-
-    def group(prefix: str) -> dict[str, np.ndarray]:
-        return {name: arrays[f"{prefix}/{name}"] for name in names}
-
-    updates = int(arrays["adam_t"])
-    if not 0 <= updates <= step:
-        raise ValueError(f"{STATE_FILE} says the optimizer made {updates} updates in {step} steps")
-    masters = {name: np.array(array, dtype=np.float32) for name, array in group("master").items()}
-    optimizer = make_optimizer(settings, masters)
-    restore_optimizer(optimizer, names, arrays)
-    return _SavedRun(settings, scaler_settings, checkpoint, RunState(step, masters, optimizer, history))

@@ -255,8 +255,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     output.add_argument(
         "--out",
         metavar="DIR",
-        help="save checkpoints here: scaler.ckpt (GradScalerCheckpoint) and state.npz (fp32 master weights, "
-        "optimizer state, step, loss history), written atomically (default: the --resume directory, else none)",
+        help="save the run here, each save a directory step-N holding scaler.ckpt (GradScalerCheckpoint), "
+        "adamw.state (AdamW.save) and state.npz (fp32 weights, step, loss history), renamed into place whole, "
+        "so an interrupted save leaves the last one intact (default: the --resume directory, else none)",
     )
     output.add_argument(
         "--save-every", type=positive_int, default=100, metavar="N", help="save every N steps and at the end (100)"

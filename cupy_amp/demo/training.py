@@ -35,8 +35,6 @@ __all__ = [
     "make_optimizer",
     "make_scaler",
     "new_state",
-    "optimizer_arrays",
-    "restore_optimizer",
     "run_steps",
     "select_device",
     "small_matrix_threads",
@@ -184,34 +182,6 @@ class RunState:
 def make_optimizer(settings: Settings, masters: dict[str, Any]) -> AdamW:
     """Return the fused AdamW over the fp32 masters (no weight decay: Adam), epsilon scaled by the loss weight."""
     return AdamW(list(masters.values()), lr=settings.lr, eps=ADAM_EPS * settings.loss_weight, weight_decay=0.0)
-
-
-def optimizer_arrays(optimizer: AdamW, names: list[str]) -> dict[str, np.ndarray]:
-    """Return the optimizer's moments (``adam_m/<name>``, ``adam_v/<name>``) and step count (``adam_t``)."""
-    state = optimizer.state_dict()
-    arrays = {"adam_t": np.array(state["record"]["step"], dtype=np.int64)}
-    for prefix, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq")):
-        for name, data, param in zip(names, state["buffers"][key], optimizer.params):
-            arrays[f"{prefix}/{name}"] = np.frombuffer(data, dtype=np.float32).reshape(param.shape)
-    return arrays
-
-
-def restore_optimizer(optimizer: AdamW, names: list[str], arrays: dict[str, np.ndarray]) -> None:
-    """Load moments and step count from :func:`optimizer_arrays`' keys (the masters are its parameters already).
-
-    The powers beta ** step are rebuilt as the optimizer builds them, one product per step.
-    """
-    state = optimizer.state_dict()
-    step = int(arrays["adam_t"])
-    record = state["record"]
-    beta1_power = beta2_power = 1.0
-    for _ in range(step):
-        beta1_power *= record["beta1"]
-        beta2_power *= record["beta2"]
-    record.update(step=step, beta1_power=beta1_power, beta2_power=beta2_power)
-    for prefix, key in (("adam_m", "exp_avg"), ("adam_v", "exp_avg_sq")):
-        state["buffers"][key] = [np.asarray(arrays[f"{prefix}/{name}"], dtype=np.float32).tobytes() for name in names]
-    optimizer.load_state_dict(state)
 
 
 @dataclass(frozen=True)
