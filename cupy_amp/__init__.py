@@ -1,6 +1,6 @@
 """cupy-amp: FP16 mixed-precision loss scaling for CuPy and NumPy arrays."""
 
-from importlib.metadata import PackageNotFoundError, version
+import importlib.metadata as _metadata
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.errors import (
@@ -25,9 +25,10 @@ from cupy_amp.statistics import GradientNumerics, GradientStats
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 try:
-    __version__ = version("cupy-amp")
-except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = _metadata.version("cupy-amp")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
+del _metadata  # the namespace holds the public names alone
 
 __all__ = [
     "SMALLEST_SCALE",

@@ -75,7 +75,7 @@ class DeviceStatsRecord:
         # [overflowed, sum_of_squares]: the pair a communicator sums over the ranks, in one all-reduce.
         self.values = self._memory[: 2 * 8].view(np.float64)
         norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
-        self.result = GradientStats(norm, clip, finite, self.address, device)
+        self.result = GradientStats(norm, clip, finite, self.address, device, factor=self._field("factor", np.float32))
         self.result.read_on = read_on
 
     def _field(self, name: str, dtype: type) -> cupy.ndarray:

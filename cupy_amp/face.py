@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterator, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import OverflowVote, require_sums, sums_after_failure
-from cupy_amp.errors import ConfigError, ScalerProtocolError
+from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
 from cupy_amp.state import State
@@ -18,6 +18,18 @@ __all__ = ["Face", "NumericsSource"]
 
 F = TypeVar("F", bound="Face")
 
+# PyTorch's GradScaler calls a user brings across, and what does their job here.
+_TORCH_NAMES = {
+    "scale": "scale_loss(loss), which scales a float32 array in place (PyTorch's scale(loss) returns a new tensor)",
+    "get_scale": "scale_factor()",
+    "unscale_": "unscale_and_check(gradients) (or check(gradients) with the optimizers of cupy_amp.optim)",
+    "state_dict": "checkpoint(), the whole state (checkpoint().to_torch_state_dict() gives PyTorch's five keys, "
+    "without the clamps, hysteresis and counters a resume needs)",
+    "load_state_dict": "load_checkpoint(checkpoint) (from PyTorch: GradScalerCheckpoint.from_torch_state_dict(sd))",
+    "get_growth_factor": "config.growth_factor",
+    "get_backoff_factor": "config.backoff_factor",
+    "get_growth_interval": "config.growth_interval",
+}
 _ONE_DEVICE = "check() takes the gradients of one device (its norm is summed on that device): use one scaler per device"
 
 
@@ -70,6 +82,18 @@ class Face:
     def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
         """(configuration, state, enabled, the last step's overflow, this rank's own), for ``checkpoint()``."""
         raise NotImplementedError
+
+    if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any attribute name
+
+        def __getattr__(self, name: str) -> Any:
+            """Name the cupy-amp call doing a PyTorch GradScaler method's job (only missing names get here)."""
+            if name in _TORCH_NAMES:
+                raise AttributeError(
+                    f"{type(self).__name__} has no {name}() (PyTorch's GradScaler name): use {_TORCH_NAMES[name]}.",
+                    name=name,
+                    obj=self,
+                )
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}", name=name, obj=self)
 
     @classmethod
     def guard(cls: type[F]) -> F:
@@ -241,7 +265,7 @@ class Face:
         return self._step.run(read)
 
     def step(
-        self, optimizer: Any, gradients: Any, *, max_norm: float | None = None, report: bool = False
+        self, optimizer: Any, gradients: Any = None, *, max_norm: float | None = None, report: bool = False
     ) -> GradientStats:
         """Check ``gradients`` and apply ``optimizer``'s fused update from this check, in one call.
 
@@ -261,6 +285,12 @@ class Face:
             As ``check()`` and the optimizer's ``step()``; the optimizer is not
             called when the check raises.
         """
+        if gradients is None:
+            raise ArgumentTypeError(
+                f"{type(self).__name__}.step(optimizer, gradients) needs the gradients: cupy-amp's optimizers take "
+                "them as an argument, in their parameters' order (PyTorch's find .grad on their parameters): "
+                "scaler.step(optimizer, grads)."
+            )
         arrays = gradients
         if isinstance(gradients, Mapping):
             arrays = list(gradients.values())  # the optimizer takes the arrays; check() names culprits by key

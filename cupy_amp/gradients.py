@@ -188,6 +188,12 @@ class _Layout:
 def parse_loss(loss: Any) -> tuple[Backend, Any]:
     """Return the backend and array for a loss, or raise if it cannot be scaled in place."""
     found = _backend_of(loss)
+    if found is None and isinstance(loss, np.generic):  # what NumPy's .mean() and .sum() return
+        raise GradientTypeError(
+            f"scale_loss got a NumPy scalar ({type(loss).__name__}), which cannot be changed in place. Pass a 0-d "
+            "array instead, loss = np.asarray(loss) (or compute the loss with keepdims or np.mean(..., out=...)), "
+            "and seed the backward pass from that array once scale_loss has scaled it."
+        )
     if found is None:
         raise GradientTypeError(
             f"scale_loss expected a NumPy or CuPy float array (it scales in place; a 0-d array is fine), "

@@ -108,7 +108,8 @@ class HostStatsRecord:
     def __init__(self, finite: np.ndarray) -> None:
         self.record = np.zeros((), dtype=STATS)
         self.skip = self.record["skip"]
-        self.result = GradientStats(self.record["norm"], self.record["clip_coefficient"], finite, self.record)
+        fields = (self.record["norm"], self.record["clip_coefficient"], finite, self.record)
+        self.result = GradientStats(*fields, factor=self.record["factor"])
 
 
 class HostState:

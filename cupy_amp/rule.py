@@ -168,12 +168,17 @@ class ScalerConfig:
         """The smallest scale a backoff can reach: ``min_scale``, or :data:`SMALLEST_SCALE` without one."""
         return SMALLEST_SCALE if self.min_scale is None else self.min_scale
 
-    def refuse_out_of_range(self, scale: float, name: str, error: type[Exception] = ConfigError) -> None:
-        """Raise ``error`` if ``scale`` lies outside ``[min_scale, max_scale]``."""
+    def refuse_out_of_range(
+        self, scale: float, name: str, error: type[Exception] = ConfigError, *, remedy: bool = False
+    ) -> None:
+        """Raise ``error`` if ``scale`` lies outside ``[min_scale, max_scale]`` (with ``remedy``: say which
+        constructor argument lets it in)."""
         if self.min_scale is not None and scale < self.min_scale:
-            raise error(f"Invalid {name!r}: expected a value >= min_scale ({self.min_scale!r}), got {scale!r}.")
+            advice = " Pass a lower min_scale, or min_scale=None for no floor." if remedy else ""
+            raise error(f"Invalid {name!r}: expected a value >= min_scale ({self.min_scale!r}), got {scale!r}.{advice}")
         if self.max_scale is not None and scale > self.max_scale:
-            raise error(f"Invalid {name!r}: expected a value <= max_scale ({self.max_scale!r}), got {scale!r}.")
+            advice = " Pass a higher max_scale, or max_scale=None for no ceiling (as PyTorch's)." if remedy else ""
+            raise error(f"Invalid {name!r}: expected a value <= max_scale ({self.max_scale!r}), got {scale!r}.{advice}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +270,7 @@ def initial_state(config: ScalerConfig, init_scale: object) -> ScalerState:
         ConfigError: ``init_scale`` is no valid scale, or lies outside the clamps.
     """
     scale = expect_scale(ConfigError, "init_scale", init_scale)
-    config.refuse_out_of_range(scale, "init_scale")
+    config.refuse_out_of_range(scale, "init_scale", remedy=True)
     return ScalerState(scale=scale, consecutive_good_steps=0, hysteresis_tracker=config.hysteresis)
 
 

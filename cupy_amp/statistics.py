@@ -182,6 +182,10 @@ class GradientStats:
         clip_coefficient: 0-d float32 array, ``min(1, max_norm / (norm + 1e-6))``
             (1 without ``max_norm``).
         finite: 0-d bool array, the step's verdict (True: no rank overflowed).
+        factor: 0-d float32 array, the inverse scale times ``clip_coefficient``
+            (rounded to float32 once): what to multiply each still-scaled
+            gradient by, as the fused optimizers do inside their update. An
+            optimizer of your own applies it, and skips the step unless ``finite``.
     """
 
     def __init__(
@@ -192,10 +196,13 @@ class GradientStats:
         source: np.ndarray | int,
         device: int = -1,
         step: tuple[Any, int] | None = None,
+        *,
+        factor: Any,
     ) -> None:
         self.norm = norm
         self.clip_coefficient = clip_coefficient
         self.finite = finite
+        self.factor = factor
         self.source = source  # the host's 0-d STATS record, or the device record's address
         self.device = device  # where the record is (-1: the host)
         self.stream: Any = None  # the CuPy stream the latest check() finished the record on (None on the host)
@@ -207,7 +214,7 @@ class GradientStats:
         """Return these statistics as the result of the check() of ``step``'s open step (same record)."""
         stats = GradientStats(
             self.norm, self.clip_coefficient, self.finite if finite is None else finite, self.source, self.device,
-            (step, step.number),
+            (step, step.number), factor=self.factor,
         )  # fmt: skip
         stats.stream, stats.read_on = self.stream, self.read_on
         return stats
@@ -232,4 +239,4 @@ class GradientStats:
 
     def __repr__(self) -> str:
         where = "on the host" if isinstance(self.source, np.ndarray) else "on the device"
-        return f"GradientStats({where}; read .norm, .clip_coefficient, .finite)"
+        return f"GradientStats({where}; read .norm, .clip_coefficient, .factor, .finite)"

@@ -188,7 +188,10 @@ class Step:
             raise ScalerProtocolError(
                 "check() was called after this step's gradients were already checked or unscaled: check() reads "
                 "all of a step's gradients in one call (its norm covers them all), and is the step's only gradient "
-                "call."
+                "call. To step several optimizers from one scaler (scaler.step(optimizer, gradients) twice, as for a "
+                "GAN or a multi-task model), check all their gradients in one call and give each optimizer its "
+                "share: stats = scaler.check(grads0 + grads1, max_norm=...); optimizer0.step(grads0, stats); "
+                "optimizer1.step(grads1, stats); then scaler.update() once."
             )
 
     def require_gradients(self) -> None:

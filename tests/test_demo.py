@@ -194,8 +194,18 @@ def test_each_backoff_shows_the_steps_numerics_report(uninterrupted: tuple[Path,
     lines = result.out.splitlines()
     after_backoffs = [lines[i + 1] for i, line in enumerate(lines) if "backoff: scale" in line]
     assert after_backoffs
-    pattern = r"^ +numerics: largest \|g\| \S+ in [Wb]\d \(float16's largest is 65504\); most zeros in [Wb]\d: \S+%$"
+    # After an overflow the largest value shown is the largest finite one, among the gradients without inf/nan.
+    pattern = (
+        r"^ +numerics: largest finite \|g\| \S+ in [Wb]\d of the gradients without inf/nan \(float16's largest is "
+        r"65504\); most zeros in [Wb]\d: \S+%$"
+    )
     assert all(re.match(pattern, line) for line in after_backoffs), after_backoffs
+
+
+def test_the_header_gives_the_clip_threshold_check_receives(uninterrupted: tuple[Path, Result]) -> None:
+    _, result = uninterrupted
+    assert "clip     the gradient norm at 2**-14 (check's max_norm: --clip 2**-1 for the mean loss" in result.out
+    assert "clipped at 2**-1)" not in result.out
 
 
 def test_report_prints_a_row_per_gradient(tmp_path: Path) -> None:

@@ -248,7 +248,7 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
         opt.step([weights[0], *grads[1:]], None)  # a gradient that is its own parameter
     with pytest.raises(ArgumentTypeError, match="GradientStats"):
         opt.step(grads, stats=object())  # type: ignore[arg-type]
-    device_stats = GradientStats(np.float32(0), np.float32(1), np.True_, 0x7F0000000000, 0)
+    device_stats = GradientStats(np.float32(0), np.float32(1), np.True_, 0x7F0000000000, 0, factor=np.float32(1))
     with pytest.raises(ArgumentTypeError, match="ran on device 0"):
         opt.step(grads, stats=device_stats)
     assert opt.step_count == 0

@@ -255,10 +255,14 @@ def _print_header(plan: _Plan, reporter: Reporter) -> None:
     reporter.line(f"device   {device}")
     reporter.line(f"data     {plan.dataset.description}, seed {settings.seed}")
     reporter.line(
-        f"model    MLP {sizes}: fp16 weights and activations, fp32 master weights, fused AdamW (lr {settings.lr}, "
-        f"gradient norm clipped at {show(settings.clip)}), batch {settings.batch_size}"
+        f"model    MLP {sizes}: fp16 weights and activations, fp32 master weights, fused AdamW (lr {settings.lr}), "
+        f"batch {settings.batch_size}"
     )
     reporter.line(f"loss     batch-mean cross-entropy x {show(settings.loss_weight)} (--loss-weight)")
+    reporter.line(
+        f"clip     the gradient norm at {show(settings.clip * settings.loss_weight)} (check's max_norm: --clip "
+        f"{show(settings.clip)} for the mean loss, times the loss weight)"
+    )
     reporter.line(
         f"scaler   init {show(scaler.init_scale)}, x{scaler.growth_factor} after {scaler.growth_interval} "
         f"clean steps, x{scaler.backoff_factor} on overflow, min {show(scaler.min_scale)}, "
@@ -453,12 +457,13 @@ def _percent(fraction: float) -> str:
 
 def _numerics_line(rows: tuple[GradientNumerics, ...]) -> str:
     """The finite gradient nearest float16's maximum, and the one with the most zeros (underflow)."""
-    finite = [row for row in rows if not row.nonfinite] or list(rows)
-    largest = max(finite, key=lambda row: row.amax)
+    clean = [row for row in rows if not row.nonfinite]
+    largest = max(clean or rows, key=lambda row: row.amax)
     zeros = max(rows, key=lambda row: row.zero_fraction)
+    among = " of the gradients without inf/nan" if len(clean) < len(rows) else ""
     return (
-        f"largest |g| {largest.amax:.3g} in {largest.label} (float16's largest is 65504); most zeros in "
-        f"{zeros.label}: {_percent(zeros.zero_fraction)}"
+        f"largest finite |g| {largest.amax:.3g} in {largest.label}{among} (float16's largest is 65504); most "
+        f"zeros in {zeros.label}: {_percent(zeros.zero_fraction)}"
     )
 
 

@@ -40,6 +40,13 @@ _PARAM_DTYPES = ("float16", "bfloat16", "float32")
 _T = TypeVar("_T")
 
 
+class _Missing:
+    """The default of an argument that must be given: its absence gets an error that says what to pass."""
+
+
+_MISSING = _Missing()
+
+
 def _number(name: str, value: object, field: str) -> float:
     """Return ``value`` as a float if it lies in the state files' range for ``field``; ``name`` is the argument's."""
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
@@ -230,7 +237,7 @@ class _FusedOptimizer:
 
     # The step.
 
-    def step(self, gradients: Sequence[Any], stats: GradientStats | None) -> None:
+    def step(self, gradients: Sequence[Any], stats: GradientStats | _Missing | None = _MISSING) -> None:
         """Update every parameter from its gradient; do nothing at all if ``stats`` says the step overflowed.
 
         Each gradient is multiplied by ``stats``' factor (inverse scale times clip
@@ -255,6 +262,12 @@ class _FusedOptimizer:
                 interrupted while writing (until a load succeeds); or this thread is
                 inside another call of this optimizer.
         """
+        if isinstance(stats, _Missing):
+            raise ArgumentTypeError(
+                f"{type(self).__name__}.step(gradients, stats) needs stats: the GradientStats that this step's "
+                "scaler.check(gradients) returned (scaler.step(optimizer, gradients) does both). Pass None only for "
+                "gradients that no scaler scaled: nothing is then unscaled, clipped or skipped."
+            )
         grads = list(gradients)
         self._expect_stats(stats)
         self._exclusive("step()", lambda: self._step(grads, stats))

@@ -40,7 +40,8 @@ def host_record(stats: GradientStats) -> GradientStats:
     memory = cupy.cuda.UnownedMemory(stats.source, STATS.itemsize, None)
     raw = cupy.ndarray(STATS.itemsize, cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)).get()
     record = np.frombuffer(raw.tobytes(), dtype=STATS).reshape(()).copy()
-    return GradientStats(record["norm"], record["clip_coefficient"], np.array(not record["skip"]), record)
+    finite = np.array(not record["skip"])
+    return GradientStats(record["norm"], record["clip_coefficient"], finite, record, factor=record["factor"])
 
 
 def gradients(rng: np.random.Generator, dtype: str, scale: float) -> list[np.ndarray]:
