@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from helpers import saved_arrays
+from helpers import saved_arrays, saved_file
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.cli import main
@@ -40,9 +40,11 @@ def test_the_demo_trains_on_the_gpu(tmp_path: Path) -> None:
     assert "device   GPU" in out
     assert eval_accuracy(out) > 60  # five classes: chance is 20%
     assert "backoff: scale 2**36 -> 2**35" in out
-    GradScalerCheckpoint.load(tmp_path / "scaler.ckpt")
+    GradScalerCheckpoint.load(saved_file(tmp_path, "scaler.ckpt"))
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["validate", str(tmp_path / "scaler.ckpt")]) == 0
+        assert (
+            main(["validate", str(saved_file(tmp_path, "scaler.ckpt")), str(saved_file(tmp_path, "adamw.state"))]) == 0
+        )
 
 
 def test_auto_picks_the_gpu() -> None:
@@ -59,9 +61,10 @@ def test_resume_on_the_gpu_is_bit_for_bit(tmp_path: Path) -> None:
     expected, actual = saved_arrays(full), saved_arrays(half)
     for key, value in expected.items():
         assert actual[key].tobytes() == value.tobytes(), key
+    assert saved_file(full, "adamw.state").read_bytes() == saved_file(half, "adamw.state").read_bytes()
     assert (
-        GradScalerCheckpoint.load(full / "scaler.ckpt").to_dict()
-        == GradScalerCheckpoint.load(half / "scaler.ckpt").to_dict()
+        GradScalerCheckpoint.load(saved_file(full, "scaler.ckpt")).to_dict()
+        == GradScalerCheckpoint.load(saved_file(half, "scaler.ckpt")).to_dict()
     )
 
 
@@ -93,6 +96,7 @@ def test_a_graph_run_resumes_bit_for_bit(tmp_path: Path) -> None:
     expected, actual = saved_arrays(full), saved_arrays(half)
     for key, value in expected.items():
         assert actual[key].tobytes() == value.tobytes(), key
+    assert saved_file(full, "adamw.state").read_bytes() == saved_file(half, "adamw.state").read_bytes()
 
 
 class MirroredScaler(GradScaler):
