@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from cupy_amp.demo.run_files import latest_save
+
 # OpenBLAS's x86-64 kernels, oldest first, with the CPU flags each one needs.
 CORE_TYPES = {
     "Prescott": {"pni"},  # SSE3, as Linux names it
@@ -98,9 +100,14 @@ def _demo(extra: dict[str, str], *flags: str) -> str:
 
 
 def _saved(out: Path) -> dict[str, Any]:
-    with np.load(out / "state.npz") as saved:
+    """Digests of the run's newest save: the demo's arrays, and the scaler's and optimizer's files' bytes."""
+    save = latest_save(out)
+    if save is None:
+        raise SystemExit(f"the demo saved nothing in {out}")
+    with np.load(save / "state.npz") as saved:
         arrays = {name: hashlib.sha256(np.ascontiguousarray(saved[name]).tobytes()).hexdigest() for name in saved}
-    return {"arrays": arrays, "checkpoint": hashlib.sha256((out / "scaler.ckpt").read_bytes()).hexdigest()}
+    files = {name: hashlib.sha256((save / name).read_bytes()).hexdigest() for name in ("scaler.ckpt", "adamw.state")}
+    return {"arrays": arrays, "checkpoint": files}
 
 
 def run_demo(extra: dict[str, str], steps: int, out: Path) -> dict[str, Any]:
