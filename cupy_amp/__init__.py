@@ -16,12 +16,14 @@ from cupy_amp.errors import (
     GradientTypeError,
     GradientValueError,
     KernelSourceNotFoundError,
+    RanksMayDisagreeError,
     ScalerProtocolError,
 )
 from cupy_amp.gradients import GradientSet
+from cupy_amp.record import GradientStats
 from cupy_amp.rule import SMALLEST_SCALE, GradScalerStats, ScalerConfig
 from cupy_amp.scaler import GradScaler
-from cupy_amp.statistics import GradientNumerics, GradientStats
+from cupy_amp.statistics import GradientNumerics
 from cupy_amp.sync_free import SyncFreeGradScaler
 
 try:
@@ -50,6 +52,7 @@ __all__ = [
     "GradientTypeError",
     "GradientValueError",
     "KernelSourceNotFoundError",
+    "RanksMayDisagreeError",
     "ScalerConfig",
     "ScalerProtocolError",
     "SyncFreeGradScaler",

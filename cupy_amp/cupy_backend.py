@@ -27,10 +27,9 @@ import numpy as np
 
 from cupy_amp.device_stats import DeviceStatsRecord
 from cupy_amp.device_tables import GradientGroup, dense_base, gradient_tables, layout_words
-from cupy_amp.distributed import OverflowVote
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, UNSCALE_DTYPE_NAMES
-from cupy_amp.kernel_launch import MAX_GRID, _on_device, capturing, launcher, order_after, refuse_capture
+from cupy_amp.kernel_launch import MAX_GRID, StreamOrder, _on_device, capturing, launcher, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.statistics import Numerics
@@ -54,7 +53,7 @@ NAME = "cupy"
 # elements), so a call validated once stays valid while the same array objects come back.
 LAYOUT_FIXED = True
 
-_FOUND_OFFSET = STATE.fields["found"][1]  # type: ignore[index]  # the vote's two flags: found, agreed
+_VOTE_OFFSET = STATE.fields["vote_count"][1]  # type: ignore[index]  # the pair unscale_and_check sums
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
 
 
@@ -165,33 +164,27 @@ class DeviceState:
         self._pinned = cupy.cuda.alloc_pinned_memory(STATE.itemsize)
         self._host = np.frombuffer(self._pinned, dtype=STATE, count=1)
         self.finite = self._memory[_FINITE_OFFSET : _FINITE_OFFSET + 1].view(np.bool_).reshape(())
-        self._vote_flags = self._memory[_FOUND_OFFSET : _FOUND_OFFSET + 8].view(np.int32)
-        self.stats = DeviceStatsRecord(device, self.finite, self.read_on)
+        self._vote_pair = self._memory[_VOTE_OFFSET : _VOTE_OFFSET + 16].view(np.float64)
+        self.order = StreamOrder(_OTHER_STREAM)  # every stream that writes the state, or reads its record
+        self.stats = DeviceStatsRecord(device, self.order)
         # This state's culprit flags, per gradient table (by its memory's id, dropped when the table dies): a
         # u64 per tensor, the epoch of this state's last launch that saw inf/nan in it. Tables are shared by
         # every scaler over the same memory; flags kept there would be another scaler's to overwrite.
         self._culprit_flags: dict[int, tuple[weakref.ref[cupy.ndarray], cupy.ndarray]] = {}
-        self._last_stream: Any = None  # where the state's last work was queued (None: all of it is done)
-        self._order = threading.Lock()  # the last stream is read and replaced in one step
         self.restore(config, state, overflow, local, epoch)
 
     def follow(self) -> Any:
-        """Return the device's current stream, made to wait for the state's last work if that went elsewhere.
+        """Return the device's current stream, made to wait for the state's last work and every read of its
+        record since, where those went to other streams (:class:`~cupy_amp.kernel_launch.StreamOrder`).
 
         Raises:
-            ScalerProtocolError: The current stream is capturing a CUDA graph and the last work
+            ScalerProtocolError: The current stream is capturing a CUDA graph and that work
                 went to another stream (a capture cannot wait for work outside it).
         """
-        with _on_device(self.device), self._order:
+        with _on_device(self.device):
             stream = cupy.cuda.get_current_stream()
-            order_after(self._last_stream, stream, _OTHER_STREAM)
-            self._last_stream = stream
+            self.order.write(stream)
         return stream
-
-    def read_on(self, stream: Any) -> None:
-        """Note that work on ``stream`` (an optimizer) reads the state's records: its next work waits for that."""
-        with self._order:
-            self._last_stream = stream
 
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):
@@ -213,23 +206,24 @@ class DeviceState:
         (record,) = self._host
         found = record["found"] != 0
         overflow = bool(found or record["agreed"] != 0)
-        return Verdict(overflow, bool(found), int(record["epoch"]) & 0xFFFFFFFF, int(record["bad_votes"]))
+        epoch, poisoned = int(record["epoch"]) & 0xFFFFFFFF, bool(record["poisoned"])
+        return Verdict(overflow, bool(found), epoch, int(record["bad_votes"]), poisoned)
 
-    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
-        """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad votes).
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int, bool]:
+        """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad
+        votes, poisoned).
 
         The verdict is read from the flags the rule uses, not from ``finite``, which callers can write.
         """
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
             (record,) = self._memory.get().view(STATE)
-        with self._order:
-            self._last_stream = None
+        self.order.settled()
         counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
         state = ScalerState(scale=float(record["scale"]), **counters)
         overflow = bool(record["found"] != 0 or record["agreed"] != 0)
         epoch = int(record["epoch"]) & 0xFFFFFFFF
-        return state, overflow, bool(record["found"]), epoch, int(record["bad_votes"])
+        return state, overflow, bool(record["found"]), epoch, int(record["bad_votes"]), bool(record["poisoned"])
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
         """Replace the State in place (synchronizes); epochs keep this state's own number in their high bits."""
@@ -247,18 +241,21 @@ class DeviceState:
         record["found"] = local
         record["agreed"] = overflow
         record["finite"] = not overflow
+        record["stats"] = self.stats.address
+        self.stats.record.closed()
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
+            self.stats.skip.fill(1)  # a restored state's record says "skip" until a check() completes
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary
-        with self._order:
-            self._last_stream = None
+        self.order.settled()
 
     def scale_loss(self, loss: cupy.ndarray) -> None:
         self.follow()
         scale_loss(loss, self.address)
 
     def begin_step(self) -> None:
+        self.stats.record.closed()  # until this step's check() completes (the kernel writes "skip")
         self._launch("cupy_amp_begin_step")
 
     def _flags(self, group: GradientGroup) -> int:
@@ -312,7 +309,7 @@ class DeviceState:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
 
         With ``voting``, only this rank's sums are taken (:meth:`vote_sums`, then
-        :meth:`finish_check`); with ``report``, the same read fills the numerics
+        :meth:`finish_vote`); with ``report``, the same read fills the numerics
         report (:meth:`numerics`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
         with _on_device(self.device):
@@ -323,8 +320,7 @@ class DeviceState:
         rows = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
-            with self._order:
-                self._last_stream = None
+            self.order.settled()
             report, first = self.stats.report_counts(plan).reshape(-1, 3), 0
             for group in plan or ():
                 table = group.table
@@ -340,30 +336,31 @@ class DeviceState:
                     )
         return sorted(rows, key=lambda row: row.position)
 
-    def vote_sums(self, vote: OverflowVote) -> None:
-        """Queue the SUM all-reduce of (overflowed, sum of squares) (never synchronizes).
+    def vote(self, ballot: Any) -> None:
+        """Queue ``unscale_and_check``'s SUM all-reduce of (this rank's flag, 0) (never synchronizes).
 
-        If ``reduce_sum`` raises, it queued nothing (NCCL's contract): this rank took no part.
+        The pair is set from the state's flag on the device, then summed there by the communicator.
         """
+        self._launch("cupy_amp_cast_vote")
         with _on_device(self.device):
-            vote.reduce_sum(self.stats.values, self.follow())  # type: ignore[attr-defined]
+            ballot.sum(self._vote_pair, self.follow())
 
-    def finish_check(self, max_norm: float) -> None:
-        """Queue the finish from the all-reduced pair: the verdict (an impossible count is a bad vote), the norm."""
+    def vote_sums(self, ballot: Any) -> None:
+        """Queue ``check()``'s SUM all-reduce of (overflowed, sum of squares) (never synchronizes)."""
+        with _on_device(self.device):
+            ballot.sum(self.stats.values, self.follow())
+
+    def finish_vote(self, inspected: bool, max_norm: float) -> None:
+        """Queue the verdict from the all-reduced pair (after a ``check()``, the record's finish too).
+
+        On the device: a poisoned count poisons the state, an impossible one is counted (once per step); running
+        it twice gives the same state.
+        """
+        if not inspected:
+            self._launch("cupy_amp_combine_vote")
+            return
         with _on_device(self.device):
             self.stats.finish(self.follow(), self.address, max_norm)
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Queue the MAX all-reduce of this rank's flag (never synchronizes).
-
-        If ``reduce_max`` raises, it queued nothing (NCCL's contract): this rank took no part.
-        """
-        with _on_device(self.device):
-            vote.reduce_max(self._vote_flags, self.follow())
-
-    def combine(self) -> None:
-        """Queue the step's verdict from the all-reduced flag: any rank's overflow, this rank's always."""
-        self._launch("cupy_amp_combine_vote")
 
     def mark_overflow(self) -> None:
         """Count the open step as this rank's overflow; its statistics record too says skip."""
@@ -376,7 +373,9 @@ class DeviceState:
             self.stats.skip.fill(1)
 
     def update(self) -> None:
-        """Queue the rule, applied once per step: a retry after an interrupted ``update()`` changes nothing more."""
+        """Queue the step's close (its record says "skip") and the rule, applied once per step: a retry after an
+        interrupted ``update()`` changes nothing more."""
+        self.stats.record.closed()
         self._launch("cupy_amp_update_state")
 
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
@@ -385,8 +384,7 @@ class DeviceState:
         positions: list[int] = []
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()
-            with self._order:
-                self._last_stream = None
+            self.order.settled()
             for group in plan or ():
                 flags = self._known_flags(group)
                 if flags is None:

@@ -18,7 +18,7 @@ import numpy as np
 from cupy_amp.device_tables import GradientGroup
 from cupy_amp.kernel_interface import STATS, THREADS
 from cupy_amp.kernel_launch import _Launcher, _on_device, launcher, refuse_capture
-from cupy_amp.statistics import GradientStats
+from cupy_amp.record import StatsRecord
 
 __all__ = ["DeviceStatsRecord"]
 
@@ -58,7 +58,7 @@ class DeviceStatsRecord:
     its views hold the latest ``check()``'s values.
     """
 
-    def __init__(self, device: int, finite: Any, read_on: Callable[[Any], None]) -> None:
+    def __init__(self, device: int, order: Any) -> None:
         self.device = device
         with _on_device(device):
             self._finish = launcher("grad_stats.cu", "cupy_amp_finish_stats")  # loaded now, not inside a capture
@@ -72,11 +72,12 @@ class DeviceStatsRecord:
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
         self.skip = self._field("skip", np.int32)
+        self.skip.fill(1)  # no check() has completed: nothing to apply
         # [overflowed, sum_of_squares]: the pair a communicator sums over the ranks, in one all-reduce.
         self.values = self._memory[: 2 * 8].view(np.float64)
-        norm, clip = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
-        self.result = GradientStats(norm, clip, finite, self.address, device, factor=self._field("factor", np.float32))
-        self.result.read_on = read_on
+        self.norm, self.clip_coefficient = self._field("norm", np.float32), self._field("clip_coefficient", np.float32)
+        self.factor = self._field("factor", np.float32)
+        self.record = StatsRecord(self.address, device, order)
 
     def _field(self, name: str, dtype: type) -> cupy.ndarray:
         offset = _STATS_FIELDS[name]
@@ -138,7 +139,6 @@ class DeviceStatsRecord:
         gradient, the groups' gradients one after the other.
         """
         self.reserve(plan)
-        self.result.stream = stream  # readers on other streams wait for it (optimizer_step)
         if report:
             self._filled = self._report
             if self._report.size:

@@ -1,20 +1,32 @@
-"""Agreement between ranks on whether a step overflowed.
+"""Agreement between ranks: one SUM all-reduce per gradient call, joined at most once, its outcome never guessed.
 
-With several processes (data parallel with sharded gradients, model
-parallelism), each rank sees only its own gradients. Ranks that disagree on
-skipping a step drift apart or hang in their next collective, so the scaler
-combines every rank's local overflow flag with a MAX all-reduce before it reads
-the verdict back: every rank then returns the same bool and makes the same
-``update()``.
+With several processes each rank sees only its own gradients. Ranks that
+disagree on skipping a step drift apart or hang in their next collective. So
+every gradient call of a scaler with a communicator (``unscale_and_check`` and
+``check`` alike) joins exactly one collective: a SUM all-reduce of a float64
+pair, this rank's 0/1 overflow flag and its sum of squares (0 for
+``unscale_and_check``). The step overflowed if the summed count is positive,
+or if this rank's own flag is set, whatever the answer says.
 
-The rules, whatever fails: every rank votes exactly once per
-``unscale_and_check`` call; a call that fails anywhere (bad arguments, a device
-error, an interrupt) votes "overflow" if it had not voted yet; the answer is
-checked (a garbage answer is a :class:`~cupy_amp.errors.CommunicatorError`);
-and a rank whose own gradients held inf/nan never reports a finite step.
+The rules, whatever fails:
 
-A vote is any object with the two methods of :class:`OverflowVote`; NCCL
-communicators from CuPy are wrapped by :func:`overflow_vote_for`.
+- a call that fails before it joined joins as an overflowed rank, so no rank
+  waits for it;
+- an answer that no ranks can produce (a count that is no whole number of
+  ranks, or below this rank's own; a sum of squares below this rank's share)
+  counts as an overflow and raises :class:`~cupy_amp.errors.CommunicatorError`:
+  every rank got the same answer, so every rank agrees;
+- a call interrupted inside the collective cannot know whether it took part,
+  nor what the others decided. Guessing would let the ranks diverge without
+  a word (NCCL's rule for a communicator that failed mid-collective is the
+  same: it is aborted, not reused). That rank sends the poisoned vote
+  (:data:`POISON` ranks) once, and every later call of its scaler refuses with
+  :class:`~cupy_amp.errors.RanksMayDisagreeError`; every other rank gets the
+  poisoned count from the collective it was waiting in or its next one, and
+  refuses likewise from then on.
+
+A communicator is any object with ``reduce_sum`` (:class:`Communicator`);
+CuPy's NCCL communicators are wrapped by :func:`communicator_for`.
 """
 
 from __future__ import annotations
@@ -25,73 +37,62 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from cupy_amp.errors import ArgumentTypeError, CommunicatorError, ConfigError
+from cupy_amp.errors import ArgumentTypeError, CommunicatorError, RanksMayDisagreeError
 
 __all__ = [
-    "NcclVote",
-    "OverflowVote",
-    "cast_host_vote",
-    "device_answer",
-    "host_answer",
-    "host_sums",
-    "host_verdict",
-    "overflow_count_verdict",
-    "overflow_vote_for",
+    "AFTER",
+    "INSIDE",
+    "OTHERS",
+    "POISON",
+    "Communicator",
+    "NcclAllReduce",
+    "communicator_for",
+    "count_verdict",
+    "impossible_answers",
+    "log_failed_join",
+    "poisoned_error",
     "refuse_impossible_sum",
-    "require_sums",
-    "sums_after_failure",
-    "vote_after_failure",
+    "send_poison",
 ]
 
 logger = logging.getLogger(__name__)
 
+POISON = 2.0**40  # a count of overflowed ranks no world reaches: the vote of a rank that cannot know the outcome
 
-class OverflowVote(Protocol):
-    """Combines the ranks' overflow flags with MAX."""
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        """In ``stream`` order, set ``flags[1]`` to the maximum over all ranks of ``flags[0]``.
+def _poisoned(count: float) -> bool:
+    """Whether an all-reduced count holds a poisoned vote: POISON plus a count of ranks (not garbage like inf)."""
+    return POISON <= count < 2.0 * POISON
 
-        ``flags`` is a contiguous int32 array of two elements in the vote's
-        memory (device memory for NCCL). Must not synchronize.
+
+class Communicator(Protocol):
+    """Sums a float64 pair over the ranks: the one collective of a gradient call."""
+
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        """Replace ``values``, a contiguous float64 pair, by its elementwise sum over all ranks.
+
+        A CuPy array is summed in ``stream`` order, without synchronizing; a
+        NumPy array (``stream`` None) is summed before the call returns. A call
+        that raises took no part in the collective.
         """
         ...
 
-    def host_vote(self, local_overflow: bool) -> bool:
-        """Take part with a host-side flag and return the agreed verdict (synchronizes).
 
-        Used by calls whose flag is on the host (NumPy gradients, no gradients
-        at all, a call that failed before its vote), so every rank joins every vote.
-        """
-        ...
+class NcclAllReduce:
+    """A :class:`Communicator` over a CuPy NCCL communicator.
 
-
-class NcclVote:
-    """An :class:`OverflowVote` over a CuPy NCCL communicator.
-
-    Accepts ``cupyx.distributed.NCCLBackend`` (from
-    ``cupyx.distributed.init_process_group``) or a raw
-    ``cupy.cuda.nccl.NcclCommunicator``. The all-reduce runs on the stream it
-    is given, which is the current stream of the gradients' device.
+    Accepts ``cupyx.distributed.NCCLBackend`` (``cupyx.distributed.init_process_group``) or a raw
+    ``cupy.cuda.nccl.NcclCommunicator``. A device pair is summed on the stream given (the state's).
     """
 
     def __init__(self, comm: Any) -> None:
         self._comm = comm
         self._raw = not hasattr(comm, "all_reduce")  # NcclCommunicator spells it allReduce
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        if self._raw:
-            from cupy.cuda import nccl
-
-            self._comm.allReduce(flags.data.ptr, flags.data.ptr + 4, 1, nccl.NCCL_INT32, nccl.NCCL_MAX, stream.ptr)
-        else:
-            self._comm.all_reduce(flags[0:1], flags[1:2], op="max", stream=stream)
-
     def reduce_sum(self, values: Any, stream: Any) -> None:
-        """Sum a float64 pair over the ranks in place: on ``stream`` for a CuPy array; a NumPy one waits."""
         import cupy
 
-        if isinstance(values, np.ndarray):
+        if isinstance(values, np.ndarray):  # a host pair: through the device, and waited for
             on_device = cupy.asarray(values)
             current = cupy.cuda.get_current_stream()
             self.reduce_sum(on_device, current)
@@ -105,139 +106,69 @@ class NcclVote:
         else:
             self._comm.all_reduce(values, values, op="sum", stream=stream)
 
-    def host_vote(self, local_overflow: bool) -> bool:
-        import cupy
 
-        stream = cupy.cuda.get_current_stream()
-        flags = cupy.asarray(np.array([int(local_overflow), 0], dtype=np.int32))
-        self.reduce_max(flags, stream)
-        return bool(flags[1:2].get(stream=stream)[0])
-
-
-def overflow_vote_for(comm: Any) -> OverflowVote | None:
-    """Return the vote for ``comm``: None for None, a wrapper for NCCL, ``comm`` itself for a vote.
+def communicator_for(comm: Any) -> Communicator | None:
+    """Return the communicator for ``comm``: None for None, a wrapper for NCCL, ``comm`` itself otherwise.
 
     Raises:
         ArgumentTypeError: ``comm`` is none of these.
     """
     if comm is None:
         return None
-    if hasattr(comm, "reduce_max") and hasattr(comm, "host_vote"):
-        vote: OverflowVote = comm  # already a vote (a custom transport, or a test stand-in)
-        return vote
     if hasattr(comm, "allReduce") or (hasattr(comm, "all_reduce") and hasattr(comm, "rank")):
-        return NcclVote(comm)
+        return NcclAllReduce(comm)
+    if callable(getattr(comm, "reduce_sum", None)):
+        communicator: Communicator = comm  # a custom transport, or a test stand-in
+        return communicator
     raise ArgumentTypeError(
-        f"Invalid 'comm': expected a cupyx.distributed.NCCLBackend, a cupy.cuda.nccl.NcclCommunicator "
-        f"or an object with reduce_max() and host_vote() methods, got {type(comm).__name__}."
+        f"Invalid 'comm': expected a cupyx.distributed.NCCLBackend, a cupy.cuda.nccl.NcclCommunicator or an "
+        f"object with a reduce_sum(values, stream) method, got {type(comm).__name__}."
     )
 
 
-def cast_host_vote(vote: OverflowVote, local_overflow: bool) -> object:
-    """Take part in a vote with a host flag and return the communicator's raw answer (synchronizes).
+# Why a scaler was poisoned: its own call was interrupted inside the all-reduce; its own call failed after the
+# ranks agreed to apply the step; another rank's poisoned vote arrived.
+INSIDE, AFTER, OTHERS = "inside", "after", "others"
 
-    Raises:
-        CommunicatorError: The communicator raised; this rank then took no part in the vote.
-    """
-    try:
-        return vote.host_vote(local_overflow)
-    except Exception as exc:
-        raise CommunicatorError(f"The overflow vote failed: {type(exc).__name__}: {exc}") from exc
-
-
-def host_verdict(answer: object, local_overflow: bool) -> bool:
-    """Return the verdict of a host vote's answer, which counts this rank's own overflow whatever it says.
-
-    Raises:
-        CommunicatorError: The answer is not a bool.
-    """
-    if not isinstance(answer, (bool, np.bool_)):
-        raise CommunicatorError(
-            f"The overflow vote answered {answer!r} ({type(answer).__name__}); expected a bool. "
-            f"The step counts as an overflow."
-        )
-    return bool(answer) or local_overflow
+_POISON_CAUSES = {
+    INSIDE: "A gradient call on this rank was interrupted inside its all-reduce (or the communicator failed there)",
+    AFTER: (
+        "A call on this rank failed after the ranks agreed to apply the step, before this rank's caller got the "
+        "go-ahead (or while its optimizers applied it), so the other ranks apply a step this one may not"
+    ),
+    OTHERS: "Another rank's gradient call failed where the ranks may disagree (its poisoned vote arrived here)",
+}
 
 
-def host_answer(vote: OverflowVote, local_overflow: bool) -> bool:
-    """Vote with a host flag and return the checked verdict (see :func:`cast_host_vote`, :func:`host_verdict`)."""
-    return host_verdict(cast_host_vote(vote, local_overflow), local_overflow)
+def poisoned_error(cause: str) -> RanksMayDisagreeError:
+    """The one error every later call of a poisoned scaler raises; ``cause`` is INSIDE, AFTER or OTHERS."""
+    error = RanksMayDisagreeError(
+        f"{_POISON_CAUSES[cause]}: the ranks' scales, verdicts or weights may differ. This scaler refuses every "
+        "call from now on, on every rank. Restore every rank from the last checkpoint (the scaler's and the "
+        "optimizer's), with new scalers and a new communicator."
+    )
+    error.own = cause != OTHERS
+    return error
 
 
-def device_answer(local_flag: int, agreed_flag: int) -> bool:
-    """Return the verdict from this rank's flag and the all-reduced one, checking that it is a maximum.
-
-    Raises:
-        CommunicatorError: The reduced flag is smaller than this rank's own, so it is no MAX over the ranks.
-    """
-    if agreed_flag < local_flag or agreed_flag < 0:
-        raise CommunicatorError(
-            f"The overflow all-reduce answered {agreed_flag}, which is not a maximum over the ranks' flags "
-            f"(this rank's is {local_flag}); the communicator did not run a MAX reduction of int32 flags. "
-            f"The step counts as an overflow."
-        )
-    return agreed_flag != 0 or local_flag != 0
+def send_poison(communicator: Communicator) -> None:
+    """Send this rank's poisoned vote (from the host): the collective the others wait in, or their next, fails."""
+    communicator.reduce_sum(np.array([POISON, 0.0], dtype=np.float64), None)
 
 
-def vote_after_failure(vote: OverflowVote, error: BaseException) -> None:
-    """Vote "overflow" for a call that ``error`` stopped before its vote, so the other ranks do not hang.
-
-    A failure of this vote does not replace ``error``: it is logged, attached
-    to ``error`` as its context and, where Python supports it, as a note.
-    """
-    try:
-        host_answer(vote, True)
-    except CommunicatorError as vote_error:
-        logger.error("cupy-amp: the overflow vote after a failed call failed too: %s", vote_error)
-        vote_error.__context__ = None  # it was raised while handling `error`; keep the chain acyclic
-        error.__context__ = vote_error
-        add_note = getattr(error, "add_note", None)
-        if add_note is not None:
-            add_note(f"cupy-amp: voting 'overflow' for this call failed as well: {vote_error}")
-
-
-# check() with a communicator: one SUM all-reduce of [overflowed ranks, sum of squares] per step. The flag
-# travels as its own element, so an inf/nan in a rank's sum of squares cannot hide it: the count is a
-# whole number of ranks, at least this rank's own 0/1, whatever the sums beside it hold.
-
-
-def require_sums(vote: OverflowVote) -> None:
-    """Raise unless ``vote`` can sum a pair of floats over the ranks (what ``check()`` needs).
-
-    Raises:
-        ConfigError: It has no ``reduce_sum(values, stream)`` method.
-    """
-    if not callable(getattr(vote, "reduce_sum", None)):
-        raise ConfigError(
-            f"check() with a communicator needs a SUM all-reduce: {type(vote).__name__} has no reduce_sum(values, "
-            "stream). Use a CuPy NCCL communicator, or unscale_and_check()."
-        )
-
-
-def host_sums(vote: OverflowVote, overflowed: bool, sum_of_squares: float) -> tuple[float, float]:
-    """Sum (this rank's 0/1 overflow flag, its sum of squares) over the ranks from the host (synchronizes).
-
-    Raises:
-        CommunicatorError: The communicator raised; this rank then took no part.
-    """
-    values = np.array([1.0 if overflowed else 0.0, sum_of_squares], dtype=np.float64)
-    try:
-        vote.reduce_sum(values, None)  # type: ignore[attr-defined]
-    except Exception as exc:
-        raise CommunicatorError(f"The statistics all-reduce failed: {type(exc).__name__}: {exc}") from exc
-    return float(values[0]), float(values[1])
-
-
-def overflow_count_verdict(count: float, local_overflow: bool) -> bool:
+def count_verdict(count: float, local_overflow: bool) -> bool:
     """Return the step's verdict from the all-reduced count of overflowed ranks (this rank's always counts).
 
     Raises:
-        CommunicatorError: The count is not a whole number at least this rank's own flag.
+        RanksMayDisagreeError: The count holds a poisoned vote.
+        CommunicatorError: The count is not a whole number of ranks at least this rank's own flag.
     """
-    if not ((1.0 if local_overflow else 0.0) <= count < 1e15 and count == math.floor(count)):
+    if _poisoned(count):
+        raise poisoned_error(OTHERS)
+    if not ((1.0 if local_overflow else 0.0) <= count < POISON and count == math.floor(count)):
         raise CommunicatorError(
-            f"The statistics all-reduce answered {count!r} ranks with inf/nan (this rank: {int(local_overflow)}), "
-            "which is no such count: the communicator did not sum float64 values. The step counts as an overflow."
+            f"The all-reduce answered {count!r} ranks with inf/nan (this rank: {int(local_overflow)}), which is no "
+            "such count: the communicator did not sum float64 values. The step counts as an overflow."
         )
     return count > 0 or local_overflow
 
@@ -253,26 +184,24 @@ def refuse_impossible_sum(total: float, own: float) -> None:
     """
     if math.isnan(total) or total < own or (math.isinf(total) and not math.isinf(own)):
         raise CommunicatorError(
-            f"The statistics all-reduce answered a sum of squares of {total!r} (this rank's share: {own!r}), which "
-            "no sum over the ranks can be: the communicator did not sum float64 values. The step counts as an "
-            "overflow."
+            f"The all-reduce answered a sum of squares of {total!r} (this rank's share: {own!r}), which no sum over "
+            "the ranks can be: the communicator did not sum float64 values. The step counts as an overflow."
         )
 
 
-def sums_after_failure(vote: OverflowVote, error: BaseException) -> None:
-    """Join the statistics all-reduce as an overflowed rank for a ``check()`` that ``error`` stopped first."""
-    try:
-        host_sums(vote, True, 0.0)
-    except CommunicatorError as vote_error:
-        logger.error("cupy-amp: the statistics all-reduce after a failed check() failed too: %s", vote_error)
-        vote_error.__context__ = None
-        error.__context__ = vote_error
+def log_failed_join(error: BaseException, join_error: BaseException) -> None:
+    """Keep a failure of the join after ``error`` without replacing ``error``: logged, and attached as a note."""
+    logger.error(
+        "cupy-amp: joining the all-reduce as an overflowed rank after a failed call failed too: %s", join_error
+    )
+    add_note = getattr(error, "add_note", None)
+    if add_note is not None:
+        add_note(f"cupy-amp: joining the all-reduce after this failure failed as well: {join_error}")
 
 
 def impossible_answers(count: int) -> CommunicatorError:
-    """The error for ``count`` all-reduce answers that a state counted as impossible (each step was skipped)."""
+    """The error for ``count`` steps whose all-reduce answer a state counted as impossible (each was skipped)."""
     return CommunicatorError(
-        f"{count} all-reduce answer(s) were impossible: no maximum of the ranks' 0/1 flags (unscale_and_check), "
-        "or no count of ranks with inf/nan, or no sum of the ranks' sums of squares (check). The communicator did "
-        "not run the expected reduction; those steps counted as overflows."
+        f"{count} all-reduce answer(s) were impossible: no count of the ranks with inf/nan, or no sum of the ranks' "
+        "sums of squares. The communicator did not sum float64 values; those steps counted as overflows."
     )

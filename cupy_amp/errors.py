@@ -21,6 +21,7 @@ __all__ = [
     "GradientTypeError",
     "GradientValueError",
     "KernelSourceNotFoundError",
+    "RanksMayDisagreeError",
     "ScalerProtocolError",
 ]
 
@@ -51,6 +52,21 @@ class ScalerProtocolError(CupyAmpError, RuntimeError):
 
 class CommunicatorError(CupyAmpError, RuntimeError):
     """The communicator failed or gave an answer that is not a vote; the step counts as an overflow."""
+
+
+class RanksMayDisagreeError(CommunicatorError):
+    """A rank cannot know what the others decided: every later call of the scaler, on every rank, refuses.
+
+    Raised when a call on this rank was interrupted inside its all-reduce, or failed after the ranks agreed to
+    apply the step (``own``), or when an all-reduce answered the poisoned vote such a rank sends (another
+    rank's). The ranks' scales, verdicts and weights may differ: restore every rank from the last checkpoint,
+    with new scalers and a new communicator.
+
+    Attributes:
+        own: Whether this rank's own call caused it (this rank then sent the poisoned vote).
+    """
+
+    own = False
 
 
 class CheckpointError(CupyAmpError, ValueError):

@@ -6,13 +6,14 @@ from collections.abc import Hashable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.distributed import OverflowVote, require_sums, sums_after_failure
+from cupy_amp.distributed import Communicator
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
+from cupy_amp.record import GradientStats
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
 from cupy_amp.state import State
-from cupy_amp.statistics import GradientNumerics, GradientStats, expect_max_norm
-from cupy_amp.step import INSPECTED, Ballot, StateSet, Step, check_call
+from cupy_amp.statistics import GradientNumerics, expect_max_norm
+from cupy_amp.step import INSPECTED, StateSet, Step, check_call
 
 __all__ = ["Face", "NumericsSource"]
 
@@ -48,13 +49,14 @@ class NumericsSource(NamedTuple):
 class Face:
     """The calls :class:`~cupy_amp.GradScaler` and :class:`~cupy_amp.SyncFreeGradScaler` share word for word.
 
-    Each face sets ``_step``, ``_vote`` and ``_cache`` and supplies the hooks below; what differs between
-    them is where the verdict is read (the synchronous face reads it after each call) and what the host keeps.
+    Each face sets ``_step``, ``_communicator`` and ``_cache`` and supplies the hooks below; what differs
+    between them is where the verdict is read (the synchronous face reads it after each call) and what the
+    host keeps.
     """
 
     _numerics_source: NumericsSource | None = None  # the last check(report=True), replaced in one assignment
     _step: Step
-    _vote: OverflowVote | None
+    _communicator: Communicator | None
     _cache: CallCache
 
     def __init__(self, init_scale: float, *, min_scale: float | None, max_scale: float | None) -> None:
@@ -82,6 +84,9 @@ class Face:
     def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
         """(configuration, state, enabled, the last step's overflow, this rank's own), for ``checkpoint()``."""
         raise NotImplementedError
+
+    def had_overflow(self) -> bool:
+        raise NotImplementedError  # each face has its own
 
     if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any attribute name
 
@@ -131,16 +136,13 @@ class Face:
                 ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-
-        def scale() -> None:
+        with self._step.call():
             self._step.refuse_scale_loss()
             lane = self._lane
             state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
             self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
             if state is not None:
                 state.scale_loss(array)
-
-        self._step.run(scale)
 
     def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
@@ -185,29 +187,26 @@ class Face:
         """
         limit = expect_max_norm(max_norm)
         reporting = expect_bool(ConfigError, "report", report)
-
-        def check() -> GradientStats:
-            lane, found = self._lane, None
-
-            def parse() -> tuple[Call, State]:
-                if self._vote is not None:
-                    require_sums(self._vote)
+        with self._step.call():
+            lane = self._lane
+            with self._step.gradient_call(INSPECTED, lane, self._communicator) as scope:
+                scope.max_norm = limit
                 call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE, in_place=False)
-                return call, self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-
-            def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
-                nonlocal found
-                found = self._settle(lane, state, call, check_call(call, state, ballot, limit, reporting))
-                return found
-
-            call, state = self._step.gradient_call(INSPECTED, lane, Ballot(self._vote), parse, run, sums_after_failure)
+                state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+                self._step.open_call(scope, call, state)
+                culprits = self._settle(lane, state, call, check_call(call, state, scope, reporting))
+                self._step.record_call(scope, culprits)
+            number = self._step.number
             if reporting:  # with the culprits where the host knows them (a disabled GradScaler's records keep none)
-                nonfinite = None if found is None else tuple(call.labels[position] for position in found)
-                self._numerics_source = NumericsSource(self._step.number, call.labels, call.plan, state, nonfinite)
-            result: GradientStats = state.stats.result
-            return result.for_step(self._step, self._host_finite(lane))
-
-        return self._step.run(check)
+                nonfinite = None if culprits is None else tuple(call.labels[position] for position in culprits)
+                self._numerics_source = NumericsSource(number, call.labels, call.plan, state, nonfinite)
+            stats = state.stats
+            stats.record.completed(number)  # the record may be applied now: once by each optimizer
+            finite = self._host_finite(lane)
+            return GradientStats(
+                stats.norm, stats.clip_coefficient, stats.factor, state.finite if finite is None else finite,
+                stats.record, number,
+            )  # fmt: skip
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit; either scaler loads it.
@@ -218,15 +217,12 @@ class Face:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-
-        def capture() -> GradScalerCheckpoint:
+        with self._step.call():
             self._step.require_idle("checkpoint() cannot capture a resumable state")
             config, state, enabled, overflow, local = self._resumable()
             return GradScalerCheckpoint.capture(
                 config, state, enabled=enabled, found_overflow=overflow, found_overflow_local=local
             )
-
-        return self._step.run(capture)
 
     def nonfinite_gradients(self) -> list[Hashable]:
         raise NotImplementedError
@@ -244,10 +240,9 @@ class Face:
             ScalerProtocolError: This (or the last) step had no ``check(..., report=True)``, or a
                 checkpoint was loaded since.
         """
-
-        def read() -> list[GradientNumerics]:
-            # Under the scaler's lock: a check() of the next step in another thread cannot replace the
-            # state's report between the test below and the read (rows of one step under another's labels).
+        # Under the scaler's lock: a check() of the next step in another thread cannot replace the
+        # state's report between the test below and the read (rows of one step under another's labels).
+        with self._step.call():
             source, number = self._numerics_source, self._step.number
             if source is None or source.number != number:
                 raise ScalerProtocolError(
@@ -262,8 +257,6 @@ class Face:
                 for label, row in zip(labels, rows)
             ]
 
-        return self._step.run(read)
-
     def step(
         self, optimizer: Any, gradients: Any = None, *, max_norm: float | None = None, report: bool = False
     ) -> GradientStats:
@@ -274,15 +267,21 @@ class Face:
         inside its pass and does nothing at all after an overflow. Call
         ``update()`` after it. ``optimizer`` is a :mod:`cupy_amp.optim`
         optimizer (``AdamW``, ``SGD``); ``gradients`` are its gradients, in its
-        parameters' order (a ``GradientSet``, a mapping or any iterable too). Returns the step's
-        statistics (``norm``, ``clip_coefficient``, ``finite``). Synchronizes as
+        parameters' order (a ``GradientSet``, a mapping or any iterable too).
+        Several optimizers in one step (a GAN, a multi-task model): pass a list
+        of optimizers and a list of their gradients, one entry each; one
+        ``check()`` reads them all (one norm over all of them, culprits named
+        ``(optimizer's index, position or key)``), then each optimizer applies
+        it to its own. Returns the step's statistics (``norm``,
+        ``clip_coefficient``, ``factor``, ``finite``). Synchronizes as
         ``check()`` does.
 
         With ``report``, the check also takes the numerics report
         (:meth:`gradient_numerics`).
 
         Raises:
-            As ``check()`` and the optimizer's ``step()``; the optimizer is not
+            ArgumentTypeError: No gradients, or a list of optimizers without a list of as many gradient lists.
+            As ``check()`` and the optimizers' ``step()``; no optimizer is
             called when the check raises.
         """
         if gradients is None:
@@ -291,11 +290,38 @@ class Face:
                 "them as an argument, in their parameters' order (PyTorch's find .grad on their parameters): "
                 "scaler.step(optimizer, grads)."
             )
-        arrays = gradients
-        if isinstance(gradients, Mapping):
-            arrays = list(gradients.values())  # the optimizer takes the arrays; check() names culprits by key
-        elif isinstance(gradients, Iterator):
-            gradients = arrays = list(gradients)  # read once: check() and the optimizer see the same arrays
-        stats = self.check(gradients, max_norm=max_norm, report=report)
-        optimizer.step(arrays, stats)
+        if not isinstance(optimizer, (list, tuple)):
+            share = list(gradients) if isinstance(gradients, Iterator) else gradients  # read once, for both
+            with self._step.applying(self._communicator, self._step_applies):
+                stats = self.check(share, max_norm=max_norm, report=report)
+                optimizer.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
+            return stats
+        shares = [list(g) if isinstance(g, Iterator) else g for g in _shares(gradients, len(optimizer))]
+        labelled: dict[Hashable, Any] = {}
+        for index, share in enumerate(shares):
+            entries = share.items() if isinstance(share, Mapping) else enumerate(share)
+            labelled.update(((index, key), array) for key, array in entries)
+        with self._step.applying(self._communicator, self._step_applies):
+            stats = self.check(labelled, max_norm=max_norm, report=report)
+            for each, share in zip(optimizer, shares):
+                each.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
         return stats
+
+    def _step_applies(self) -> bool:
+        """Whether this step's check completed with the verdict "apply" (for a ``step()`` that failed after it)."""
+        return self._step.phase == INSPECTED and not bool(self.had_overflow())
+
+
+def _shares(gradients: Any, count: int) -> list[Any]:
+    """Return the gradient lists of ``count`` optimizers, one entry each.
+
+    Raises:
+        ArgumentTypeError: ``gradients`` is not a list or tuple of ``count`` entries.
+    """
+    if not isinstance(gradients, (list, tuple)) or len(gradients) != count:
+        got = f"{len(gradients)} entries" if isinstance(gradients, (list, tuple)) else type(gradients).__name__
+        raise ArgumentTypeError(
+            f"step() with a list of {count} optimizers takes a list of {count} gradient lists, one per optimizer "
+            f"in the same order; got {got}."
+        )
+    return list(gradients)

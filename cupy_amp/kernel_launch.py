@@ -21,7 +21,7 @@ import numpy as np
 from cupy_amp.errors import ScalerProtocolError
 from cupy_amp.kernel_interface import ENTRIES, STRUCTS, THREADS, compile_options, compile_source
 
-__all__ = ["MAX_GRID", "capturing", "launcher", "order_after", "refuse_capture"]
+__all__ = ["MAX_GRID", "StreamOrder", "capturing", "launcher", "order_after", "refuse_capture"]
 
 MAX_GRID = 2**31 - 1  # the most blocks of a launch (gridDim.x); the kernels loop over the chunks beyond it
 
@@ -123,3 +123,60 @@ def order_after(last: Any, stream: Any, refusal: str) -> None:
     event = cupy.cuda.Event(disable_timing=True)
     event.record(last)
     stream.wait_event(event)
+
+
+class StreamOrder:
+    """The order of a scaler state's work across streams: its writes, and every read of its statistics record.
+
+    A write (any of the scaler's kernels) on a stream first waits for the last
+    write if that went to another stream, and for every read since it on
+    another stream: an event per reading stream, so any number of optimizers
+    on any number of streams finish reading a record before it is rewritten.
+    A read (an optimizer step) waits for the last write. On one stream (the
+    common case, and the only one inside a CUDA graph capture) nothing is
+    recorded or waited for.
+    """
+
+    def __init__(self, refusal: str) -> None:
+        self._refusal = refusal  # the error's text for work a capture would have to wait for
+        self._lock = threading.Lock()  # the streams are read and replaced in one step
+        self._writer: Any = None  # where the last write went (None: all of it is done)
+        self._readers: dict[int, tuple[Any, Any]] = {}  # stream pointer -> (stream, event after its last read)
+
+    def write(self, stream: Any) -> None:
+        """Order a write on ``stream`` after the last write and every read since it.
+
+        Raises:
+            ScalerProtocolError: ``stream`` is capturing and that work is on another stream.
+        """
+        with self._lock:
+            order_after(self._writer, stream, self._refusal)
+            for reader, event in self._readers.values():
+                if reader.ptr != stream.ptr:
+                    if stream.is_capturing():
+                        raise ScalerProtocolError(self._refusal)
+                    stream.wait_event(event)
+            self._writer, self._readers = stream, {}
+
+    def read(self, stream: Any) -> None:
+        """Order a read on ``stream`` after the last write.
+
+        Raises:
+            ScalerProtocolError: ``stream`` is capturing and that write is on another stream.
+        """
+        with self._lock:
+            order_after(self._writer, stream, self._refusal)
+
+    def read_done(self, stream: Any) -> None:
+        """Note that work queued on ``stream`` reads the record: the next write waits for it."""
+        with self._lock:
+            if self._writer is not None and stream.ptr == self._writer.ptr:
+                return  # the next write, on this stream or after an event on it, comes after it anyway
+            event = cupy.cuda.Event(disable_timing=True)
+            event.record(stream)
+            self._readers[stream.ptr] = (stream, event)
+
+    def settled(self) -> None:
+        """Forget every stream: the device was synchronized, so all the work is done."""
+        with self._lock:
+            self._writer, self._readers = None, {}

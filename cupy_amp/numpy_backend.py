@@ -12,19 +12,13 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.distributed import (
-    OverflowVote,
-    cast_host_vote,
-    host_sums,
-    host_verdict,
-    overflow_count_verdict,
-    refuse_impossible_sum,
-)
-from cupy_amp.errors import CommunicatorError
+from cupy_amp.distributed import count_verdict, refuse_impossible_sum
+from cupy_amp.errors import CommunicatorError, RanksMayDisagreeError
 from cupy_amp.kernel_interface import STATS
+from cupy_amp.record import StatsRecord
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.state import Verdict
-from cupy_amp.statistics import GradientStats, Numerics, finish_host, host_numerics
+from cupy_amp.statistics import Numerics, finish_host, host_numerics
 from cupy_amp.statistics import host_sums as sums_of
 
 __all__ = [
@@ -101,15 +95,23 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
 
 
 class HostStatsRecord:
-    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.device_stats.DeviceStatsRecord`)."""
+    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.device_stats.DeviceStatsRecord`).
+
+    Attributes:
+        memory: The 0-d STATS record.
+        norm, clip_coefficient, factor, skip: Views of its fields.
+        record: Its owner: currency, readers (:class:`~cupy_amp.record.StatsRecord`).
+    """
 
     device = -1
 
-    def __init__(self, finite: np.ndarray) -> None:
-        self.record = np.zeros((), dtype=STATS)
-        self.skip = self.record["skip"]
-        fields = (self.record["norm"], self.record["clip_coefficient"], finite, self.record)
-        self.result = GradientStats(*fields, factor=self.record["factor"])
+    def __init__(self) -> None:
+        self.memory = np.zeros((), dtype=STATS)
+        self.memory["skip"] = 1  # no check() has completed: nothing to apply
+        self.skip = self.memory["skip"]
+        self.norm, self.clip_coefficient = self.memory["norm"], self.memory["clip_coefficient"]
+        self.factor = self.memory["factor"]
+        self.record = StatsRecord(self.memory, -1)
 
 
 class HostState:
@@ -127,22 +129,26 @@ class HostState:
         self._finite = np.ones((), dtype=np.bool_)
         self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
         self.finite.flags.writeable = False
-        self._answer: object = None
-        self.stats = HostStatsRecord(self.finite)
-        self._sums = (0.0, 0.0)  # (overflowed ranks, sum of squares) of a check() waiting for its all-reduce
+        self.stats = HostStatsRecord()
+        # The pair a gradient call sums over the ranks: (overflowed ranks, sum of squares), this rank's until the
+        # all-reduce replaces it in place by the ranks' sums.
+        self._pair = np.zeros(2, dtype=np.float64)
         self._own = 0.0  # this rank's own sum of squares, which the all-reduced one must contain
+        self._poisoned = False  # an all-reduce answered a poisoned vote: every later step is an overflow
         self._numerics: list[Numerics] = []  # the last check(report=True)'s
         self.restore(config, state, overflow, local, epoch)
 
     def read(self) -> Verdict:
         """Return the step's verdict (garbage votes raise at once here: the host reads every answer)."""
-        return Verdict(not bool(self._finite), self._found, self._epoch, 0)
+        return Verdict(not bool(self._finite), self._found, self._epoch, 0, self._poisoned)
 
-    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int]:
-        """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes: always 0)."""
-        return self._state, not bool(self._finite), self._found, self._epoch, 0
+    def snapshot(self) -> tuple[ScalerState, bool, bool, int, int, bool]:
+        """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes (always 0), poisoned)."""
+        return self._state, not bool(self._finite), self._found, self._epoch, 0, self._poisoned
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+        self.stats.record.closed()
+        self.skip_statistics()
         self._finite[()] = not overflow
         self._config, self._state, self._found, self._epoch, self._updated = config, state, local, epoch, -1
 
@@ -150,8 +156,10 @@ class HostState:
         scale_loss(loss, np.float32(self._state.scale))
 
     def begin_step(self) -> None:
+        self.stats.record.closed()  # the step opens: its record says "skip" until its check() completes
+        self.skip_statistics()
         self._epoch = self._epoch % (2**32 - 1) + 1
-        self._finite[()] = True  # before _found: a reader never sees an overflow without its origin
+        self._finite[()] = not self._poisoned  # before _found: a reader never sees an overflow without its origin
         self._found = False
 
     def unscale(self, call: Any) -> tuple[int, ...]:
@@ -175,7 +183,7 @@ class HostState:
         """Read a parsed call's statistics; return the positions of the arrays that held inf/nan.
 
         With ``voting``, the record is finished by :meth:`vote_sums` and
-        :meth:`finish_check`; with ``report``, the numerics report is taken too (:meth:`numerics`).
+        :meth:`finish_vote`; with ``report``, the numerics report is taken too (:meth:`numerics`).
         """
         if report:
             self._numerics = [host_numerics(position, array) for position, array in enumerate(call.arrays)]
@@ -183,57 +191,52 @@ class HostState:
         if culprits:
             self.mark_overflow()
         if voting:
-            self._own, self._sums = total, ((1.0 if culprits else 0.0), total)
+            self._own = total
         else:
             self._finish(total, max_norm, bool(culprits))
         return culprits
 
     def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
-        finish_host(self.stats.record, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own)
+        finish_host(self.stats.memory, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own)
 
     def numerics(self, plan: Any) -> list[Numerics]:
         """Return the numerics report of the last ``check(report=True)``."""
         return list(self._numerics)
 
-    def vote_sums(self, vote: OverflowVote) -> None:
-        """Sum this rank's pair over the ranks (synchronizing; raises if this rank took no part)."""
-        overflowed, total = self._sums
-        self._sums = host_sums(vote, overflowed != 0.0, total)
+    def vote(self, ballot: Any) -> None:
+        """Join ``unscale_and_check``'s collective with this rank's pair, (overflow flag, 0) (synchronizing)."""
+        self._pair = np.array([1.0 if self._found else 0.0, 0.0], dtype=np.float64)
+        ballot.sum(self._pair, None)
 
-    def finish_check(self, max_norm: float) -> None:
-        """Check the all-reduced pair, take the verdict and finish the record.
+    def vote_sums(self, ballot: Any) -> None:
+        """Join ``check()``'s collective with this rank's pair, (overflow flag, sum of squares) (synchronizing)."""
+        self._pair = np.array([1.0 if self._found else 0.0, self._own], dtype=np.float64)
+        ballot.sum(self._pair, None)
+
+    def finish_vote(self, inspected: bool, max_norm: float) -> None:
+        """Take the verdict from the all-reduced pair (and, after a ``check()``, finish the record); idempotent.
 
         Raises:
+            RanksMayDisagreeError: The count held a poisoned vote (the state stays poisoned: every later
+                step is an overflow).
             CommunicatorError: The count of overflowed ranks was no such count, or the sum of squares no sum
                 of the ranks' shares (the step counts as an overflow).
         """
-        count, total = self._sums
+        count, total = (float(value) for value in self._pair)
         try:
-            agreed = overflow_count_verdict(count, self._found)
-            if not agreed:  # after an overflow the sums are meaningless: the step is skipped anyway
+            agreed = count_verdict(count, self._found)
+            if inspected and not agreed:  # after an overflow the sums are meaningless: the step is skipped anyway
                 refuse_impossible_sum(total, self._own)
-        except CommunicatorError:
-            if not total < 0.0:  # the record as far as it can be made (a negative sum has no square root)
+        except CommunicatorError as error:
+            self._poisoned = self._poisoned or isinstance(error, RanksMayDisagreeError)
+            if inspected and not total < 0.0:  # the record as far as it can be made (no square root of < 0)
                 self._finish(total, max_norm, True, self._own)
             self._finite[()] = False
-            self.stats.record["skip"] = 1
+            self.skip_statistics()
             raise
-        self._finish(total, max_norm, agreed, self._own)
-        if agreed:
-            self._finite[()] = False
-
-    def vote(self, vote: OverflowVote) -> None:
-        """Take part in the vote with this rank's flag (synchronizing; raises if this rank took no part)."""
-        self._answer = cast_host_vote(vote, self._found)
-
-    def combine(self) -> None:
-        """Take the vote's verdict; this rank's own overflow counts whatever it says.
-
-        Raises:
-            CommunicatorError: The answer was not a bool.
-        """
-        answer, self._answer = self._answer, None
-        if host_verdict(answer, self._found):
+        if inspected:
+            self._finish(total, max_norm, agreed, self._own)
+        if agreed or self._poisoned:
             self._finite[()] = False
 
     def mark_overflow(self) -> None:
@@ -247,7 +250,10 @@ class HostState:
         self.stats.skip[...] = 1
 
     def update(self) -> None:
-        """Apply the rule once per step: a retry after an interrupted ``update()`` changes nothing more."""
+        """Close the step (its record says "skip"), applying the rule once: a retry after an interrupted
+        ``update()`` changes nothing more."""
+        self.stats.record.closed()
+        self.skip_statistics()
         if self._updated != self._epoch:
             after = next_state(self._config, self._state, not bool(self._finite), self._found)
             self._state, self._updated = after, self._epoch

@@ -7,13 +7,13 @@ from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, impossible_answers, overflow_vote_for, vote_after_failure
+from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ConfigError
 from cupy_amp.face import Face
 from cupy_amp.gradients import Call, CallCache, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.step import INSPECTED, UNSCALED, Ballot, StateSet, Step, unscale_call
+from cupy_amp.step import INSPECTED, UNSCALED, GradientScope, StateSet, Step, unscale_call
 
 __all__ = ["GradScaler"]
 
@@ -72,14 +72,17 @@ class GradScaler(Face):
         hysteresis: Overflowing steps before a backoff, an int >= 1 (refilled on growth).
         comm: For multi-process training: a CuPy NCCL communicator
             (``cupyx.distributed.NCCLBackend`` or ``cupy.cuda.nccl.NcclCommunicator``)
-            or any :class:`~cupy_amp.distributed.OverflowVote`. Every
-            ``unscale_and_check`` then all-reduces the overflow flag (MAX) before
-            reading it, so all ranks skip and adapt together. Every rank must make
-            the same calls (``scale_loss`` included) and agree on ``enabled`` (a
-            rank without gradients passes an empty list); a call whose arguments
-            fail on one rank, whatever the reason, still votes "overflow", so every
-            rank skips that step. A call the call order refuses (no ``scale_loss``
-            in the step) is refused alike on every rank and joins nothing.
+            or any :class:`~cupy_amp.distributed.Communicator`. Every gradient
+            call then joins one SUM all-reduce of (overflowed ranks, sum of
+            squares) before its verdict is read, so all ranks skip and adapt
+            together. Every rank must make the same calls (``scale_loss``
+            included) and agree on ``enabled`` (a rank without gradients passes
+            an empty list); a call whose arguments fail on one rank, whatever the
+            reason, still joins as an overflowed rank, so every rank skips that
+            step. A call the call order refuses (no ``scale_loss`` in the step) is
+            refused alike on every rank and joins nothing. A call interrupted
+            inside its all-reduce poisons the scaler on every rank
+            (:mod:`cupy_amp.distributed`).
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -100,7 +103,7 @@ class GradScaler(Face):
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
         state = initial_state(config, init_scale)
         self._mirror = _Mirror(config, state, expect_bool(ConfigError, "enabled", enabled))
-        self._vote: OverflowVote | None = overflow_vote_for(comm)
+        self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
         self._scaling = StateSet(config, state, one_device=False)
@@ -139,6 +142,7 @@ class GradScaler(Face):
         Never synchronizes the device.
         """
         mirror = self._mirror
+        self._step.refuse_if_broken()
         return mirror.state.scale if mirror.enabled else 1.0
 
     def unscale_and_check(self, gradients: Any) -> bool:
@@ -174,29 +178,24 @@ class GradScaler(Face):
             CommunicatorError: The communicator failed or answered garbage.
         """
 
-        def unscale() -> bool:
+        with self._step.call():
             lane = self._lane  # under the lock: a set_enabled() served first is the one this call sees
-
-            def parse() -> tuple[Call, State]:
-                one_device = _ONE_DEVICE if self._vote is not None else None
-                call = parse_gradients(gradients, self._cache, one_device=one_device)
+            communicator = self._communicator if lane.counts else None
+            with self._step.gradient_call(UNSCALED, lane, communicator) as scope:
+                call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE if communicator else None)
                 state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
                 for device in call.devices[1:] if lane.counts else ():
                     self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
-                return call, state
-
-            def run(call: Call, state: State, ballot: Ballot) -> tuple[int, ...]:
+                self._step.open_call(scope, call, state)
                 if lane.counts and len(call.devices) > 1:
-                    return self._unscale_on_each_device(lane, call, ballot)
-                return self._settle(lane, state, call, unscale_call(call, state, ballot) if lane.counts else ())
-
-            ballot = Ballot(self._vote if lane.counts else None)
-            self._step.gradient_call(UNSCALED, lane, ballot, parse, run, vote_after_failure)
+                    culprits = self._unscale_on_each_device(lane, call, scope)
+                else:
+                    queued = unscale_call(call, state, scope) if lane.counts else ()
+                    culprits = self._settle(lane, state, call, queued)
+                self._step.record_call(scope, culprits)
             return not lane.verdict[0]
 
-        return self._step.run(unscale)
-
-    def _unscale_on_each_device(self, lane: StateSet, call: Call, ballot: Ballot) -> tuple[int, ...]:
+    def _unscale_on_each_device(self, lane: StateSet, call: Call, scope: GradientScope) -> tuple[int, ...]:
         """Unscale a call whose gradients are on several devices (never with a communicator), then read each verdict.
 
         Each device's groups are launched on that device, with the state placed
@@ -207,17 +206,20 @@ class GradScaler(Face):
         queued = []
         for device in call.devices:
             part, state = call._replace(plan=tuple(g for g in call.plan if g.device == device)), lane.states[device]
-            queued.append((part, state, unscale_call(part, state, ballot)))
+            queued.append((part, state, unscale_call(part, state, scope)))
         return tuple(sorted(p for part, state, culprits in queued for p in self._settle(lane, state, part, culprits)))
 
     def _settle(self, lane: StateSet, state: State, call: Call, culprits: tuple[int, ...] | None) -> tuple[int, ...]:
         """Wait for a call's verdict; return the positions of its gradients that held inf/nan.
 
         Raises:
+            RanksMayDisagreeError: An all-reduce answered a poisoned vote (the scaler refuses from now on).
             CommunicatorError: The state counted an impossible all-reduce answer (the step is an overflow).
         """
         verdict = state.read()
         lane.found(verdict.overflow, verdict.local)
+        if verdict.poisoned:
+            raise poisoned_error(OTHERS)
         reported = self._bad_votes.get(id(state), 0)
         if verdict.bad_votes > reported:
             self._bad_votes[id(state)] = verdict.bad_votes
@@ -238,7 +240,7 @@ class GradScaler(Face):
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
 
-        def update() -> None:
+        with self._step.call():
             lane = self._lane
             if lane.counts:  # disabled, update() only ends the step
                 self._step.require_gradients()
@@ -248,9 +250,9 @@ class GradScaler(Face):
                     with self._states_follow_the_mirror(lane):
                         lane.update(state)
                         self._mirror = mirror._replace(state=state, step=self._step.number)
+            else:
+                lane.close()  # a disabled step's record says "skip" again
             self._step.close()
-
-        self._step.run(update)
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed.
@@ -261,6 +263,7 @@ class GradScaler(Face):
         answer of the last enabled step (a disabled ``check()``'s ``finite``
         says whether the optimizer skipped). Never synchronizes the device.
         """
+        self._step.refuse_if_broken()
         return self._scaling.verdict[0]
 
     def nonfinite_gradients(self) -> list[Hashable]:
@@ -271,6 +274,7 @@ class GradScaler(Face):
         (``None`` entries count) or their names when a mapping was passed.
         Empty when the step was clean. Never synchronizes the device.
         """
+        self._step.refuse_if_broken()
         return self._step.culprit_labels(lambda record: record.culprits or ())
 
     def set_enabled(self, enabled: bool) -> None:
@@ -282,20 +286,19 @@ class GradScaler(Face):
                 or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-
-        def switch() -> None:
+        with self._step.call():
             if flag != self._mirror.enabled:
                 self._step.require_idle("set_enabled() cannot switch the scaler")
             self._mirror = self._mirror._replace(enabled=flag)
 
-        self._step.run(switch)
-
     def is_enabled(self) -> bool:
         """Return whether scaling is on."""
+        self._step.refuse_if_broken()
         return self._mirror.enabled
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (never synchronizes)."""
+        self._step.refuse_if_broken()
         # The state is immutable: a consistent read without the lock, even from a signal handler.
         mirror = self._mirror
         return GradScalerStats.of(mirror.state, mirror.enabled, *self._scaling.verdict)
@@ -312,16 +315,13 @@ class GradScaler(Face):
             ScalerProtocolError: A step is open (the loss was scaled with the old scale).
         """
         expect_checkpoint(checkpoint)
-
-        def load() -> None:
+        with self._step.call():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled, self._step.number)
             with self._states_follow_the_mirror(self._scaling):
                 overflow, local = checkpoint.found_overflow, checkpoint.found_overflow_local
                 self._scaling.restore(mirror.config, mirror.state, overflow, local)
                 self._mirror, self._step.records, self._numerics_source = mirror, (), None
-
-        self._step.run(load)
 
     @contextlib.contextmanager
     def _states_follow_the_mirror(self, lane: StateSet) -> Iterator[None]:

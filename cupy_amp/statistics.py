@@ -9,7 +9,8 @@ the sum is reduced in a fixed order (the same bits on every run); on the host
 NumPy sums it (within the last bit of float32 of the GPU's norm). The
 optimizers of :mod:`cupy_amp.optim` read the factor ``inv_scale *
 clip_coefficient`` and the skip flag from the record, on the device; its layout
-is :data:`cupy_amp.kernel_interface.STATS`.
+is :data:`cupy_amp.kernel_interface.STATS`, and :mod:`cupy_amp.record` owns it
+(and :class:`~cupy_amp.record.GradientStats`, what ``check()`` returns).
 
 ``check(gradients, report=True)`` also takes a numerics report in the same read
 (:class:`GradientNumerics` per gradient, from ``scaler.gradient_numerics()``):
@@ -21,8 +22,8 @@ reference.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
-from typing import Any, NamedTuple, TypeVar, cast
+from collections.abc import Hashable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -34,7 +35,6 @@ T = TypeVar("T")
 __all__ = [
     "CLIP_EPS",
     "GradientNumerics",
-    "GradientStats",
     "Numerics",
     "expect_max_norm",
     "finish_host",
@@ -167,76 +167,3 @@ def finish_host(
     record["factor"] = np.float32(inv_scale) * clip
     record["found"] = local
     record["skip"] = local or agreed
-
-
-class GradientStats:
-    """One step's statistics from ``check()``, in device memory for CuPy gradients (host memory for NumPy).
-
-    The arrays are views of the scaler's record: they hold the values of the
-    latest ``check()``, and reading one on the host synchronizes
-    (``float(stats.norm)``).
-
-    Attributes:
-        norm: 0-d float32 array, the L2 norm of all the step's unscaled gradients
-            (inf or nan after an overflow).
-        clip_coefficient: 0-d float32 array, ``min(1, max_norm / (norm + 1e-6))``
-            (1 without ``max_norm``).
-        finite: 0-d bool array, the step's verdict (True: no rank overflowed).
-        factor: 0-d float32 array, the inverse scale times ``clip_coefficient``
-            (rounded to float32 once): what to multiply each still-scaled
-            gradient by, as the fused optimizers do inside their update. An
-            optimizer of your own applies it, and skips the step unless ``finite``.
-    """
-
-    def __init__(
-        self,
-        norm: Any,
-        clip_coefficient: Any,
-        finite: Any,
-        source: np.ndarray | int,
-        device: int = -1,
-        step: tuple[Any, int] | None = None,
-        *,
-        factor: Any,
-    ) -> None:
-        self.norm = norm
-        self.clip_coefficient = clip_coefficient
-        self.finite = finite
-        self.factor = factor
-        self.source = source  # the host's 0-d STATS record, or the device record's address
-        self.device = device  # where the record is (-1: the host)
-        self.stream: Any = None  # the CuPy stream the latest check() finished the record on (None on the host)
-        # Called with the stream an optimizer read the record on, so that the record's next writer waits for it.
-        self.read_on: Any = None
-        self.step = step  # (the scaler's step machine, the step's number) of the check() that made these
-
-    def for_step(self, step: Any, finite: Any = None) -> GradientStats:
-        """Return these statistics as the result of the check() of ``step``'s open step (same record)."""
-        stats = GradientStats(
-            self.norm, self.clip_coefficient, self.finite if finite is None else finite, self.source, self.device,
-            (step, step.number), factor=self.factor,
-        )  # fmt: skip
-        stats.stream, stats.read_on = self.stream, self.read_on
-        return stats
-
-    def hold(self, operation: Callable[[], T]) -> T:
-        """Return ``operation()``, run under the lock of the scaler whose check() made these.
-
-        No ``update()`` or next ``check()`` of that scaler runs meanwhile, so
-        what ``operation`` sees of :meth:`current` and of the record stays true
-        while it runs. The same thread calling the scaler inside ``operation`` raises.
-        """
-        if self.step is None:
-            return operation()
-        return cast(T, self.step[0].run(operation))
-
-    def current(self) -> bool:
-        """Return whether the step whose check() made these is still open (its update() has not run)."""
-        if self.step is None:
-            return True
-        step, number = self.step
-        return bool(step.holds(number))
-
-    def __repr__(self) -> str:
-        where = "on the host" if isinstance(self.source, np.ndarray) else "on the device"
-        return f"GradientStats({where}; read .norm, .clip_coefficient, .factor, .finite)"

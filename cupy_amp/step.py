@@ -20,16 +20,25 @@ met (:class:`StateSet`), and never imports CuPy.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.claims import StepClaims
-from cupy_amp.distributed import OverflowVote
-from cupy_amp.errors import ConfigError, GradientTypeError, GradientValueError, ScalerProtocolError
+from cupy_amp.distributed import AFTER, INSIDE, OTHERS, Communicator, log_failed_join, poisoned_error, send_poison
+from cupy_amp.errors import (
+    CommunicatorError,
+    ConfigError,
+    CupyAmpError,
+    GradientTypeError,
+    GradientValueError,
+    RanksMayDisagreeError,
+    ScalerProtocolError,
+)
 from cupy_amp.gradients import Call
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Backend, Snapshot, State
@@ -37,10 +46,14 @@ from cupy_amp.state import Backend, Snapshot, State
 __all__ = [
     "IDLE",
     "INSPECTED",
+    "JOINED",
+    "JOINING",
+    "NOT_JOINED",
     "SCALED",
     "UNSCALED",
     "Ballot",
     "CallRecord",
+    "GradientScope",
     "StateSet",
     "Step",
     "check_call",
@@ -70,70 +83,75 @@ class CallRecord(NamedTuple):
     culprits: tuple[int, ...] | None  # positions known on the host; None: read from the state when asked
 
 
-class Ballot:
-    """One call's part in the collective: the call's communicator, joined at most once.
+# Where a call stands with the collective: not joined yet; inside the communicator; it returned.
+NOT_JOINED, JOINING, JOINED = "not joined", "joining", "joined"
 
-    Every collective of a call goes through the ballot, which stands for the
-    communicator (an :class:`~cupy_amp.distributed.OverflowVote` with
-    ``reduce_sum``). ``joined`` is stored in the same statement in which the
-    communicator returns, so an interrupt anywhere in the code around it (the
-    state's launch, the host's reading of the answer) can neither hide a join
-    that happened nor let the call join again. A communicator that raises took
-    no part (NCCL's contract).
+
+class Ballot:
+    """One gradient call's part in the collective: joined at most once, and its outcome never guessed.
+
+    The stage is stored before the communicator is called and after it
+    returns, so no exception, wherever it arrives, can lead the call to join a
+    second collective. A call that fails while JOINING (an interrupt, or the
+    communicator raising: NCCL's rule is that a communicator that failed inside
+    a collective is not reused) cannot know whether it took part nor what the
+    others decided: the step machine then poisons the scaler (:meth:`Step.poison`).
     """
 
-    __slots__ = ("joined", "vote")
+    __slots__ = ("communicator", "stage")
 
-    def __init__(self, vote: OverflowVote | None) -> None:
-        self.vote = vote
-        self.joined = vote is None  # without a communicator there is nothing to join
+    def __init__(self, communicator: Communicator | None) -> None:
+        self.communicator = communicator
+        self.stage = NOT_JOINED
 
-    def _communicator(self) -> Any:
-        if self.joined or self.vote is None:
-            raise ScalerProtocolError("A gradient call tried to join a second collective")  # an internal rule
-        return self.vote
-
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        vote = self._communicator()
-        self.joined = (vote.reduce_max(flags, stream), True)[1]
-
-    def reduce_sum(self, values: Any, stream: Any) -> None:
-        vote = self._communicator()
-        self.joined = (vote.reduce_sum(values, stream), True)[1]
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        vote = self._communicator()
-        answer, self.joined = vote.host_vote(local_overflow), True
-        return answer  # type: ignore[no-any-return]
-
-    def join_after_failure(self, error: BaseException, collective: Callable[[Any, BaseException], None]) -> None:
-        """Join as an overflowed rank if this call has not joined yet, so the other ranks do not hang."""
-        if not self.joined:
-            collective(self, error)
+    def sum(self, values: Any, stream: Any) -> None:
+        """Join the call's one collective: sum ``values`` over the ranks (a device pair in ``stream`` order)."""
+        communicator = self.communicator
+        if communicator is None or self.stage != NOT_JOINED:
+            raise ScalerProtocolError("A gradient call tried to join a second collective.")  # an internal rule
+        self.stage = JOINING
+        try:
+            communicator.reduce_sum(values, stream)
+        except Exception as error:
+            raise CommunicatorError(f"The all-reduce failed: {type(error).__name__}: {error}") from error
+        self.stage = JOINED
 
 
 class Step:
     """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
 
-    __slots__ = ("_lock", "_owner", "claims", "number", "phase", "records")
+    __slots__ = ("_answered", "_lock", "_owner", "broken", "claims", "number", "phase", "records")
 
     def __init__(self) -> None:
         self.phase = IDLE
         self.number = 0  # counts the steps opened, so that an update() retried after an interrupt knows its step
         self.claims = StepClaims()
         self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
+        self.broken: RanksMayDisagreeError | None = None  # once set, every later call raises it
         self._lock = threading.Lock()
         self._owner: int | None = None
+        self._answered: GradientScope | None = None  # the running call's gradient scope, once its collective answered
 
-    def run(self, operation: Callable[[], T]) -> T:
-        """Run ``operation`` under the scaler's lock; a thread waits for another thread's call.
+    def refuse_if_broken(self) -> None:
+        """Raise the poison error once the ranks may disagree (every call of a poisoned scaler does)."""
+        if self.broken is not None:
+            raise self.broken
+
+    def poison(self, error: RanksMayDisagreeError) -> None:
+        """Refuse every later call with ``error`` (one assignment: the first poison stays)."""
+        if self.broken is None:
+            self.broken = error
+
+    @contextlib.contextmanager
+    def call(self) -> Iterator[None]:
+        """Hold the scaler's lock for one call; a thread waits for another thread's call.
 
         The same thread calling in again (from a communicator's callback, a
         generator passed as gradients, a signal handler) would deadlock or
-        interleave two calls' steps: that raises instead. The lock is the
-        ``with`` statement's own (acquired and released in C), so no interrupt
-        can leave it held; a stale owner is harmless, since it is only read
-        while the lock is held.
+        interleave two calls' steps: that raises instead, as does any call of a
+        poisoned scaler. The lock is the ``with`` statement's own (acquired and
+        released in C), so no interrupt can leave it held; a stale owner is
+        harmless, since it is only read while the lock is held.
         """
         me = threading.get_ident()
         if self._owner == me and self._lock.locked():
@@ -142,11 +160,31 @@ class Step:
                 "passed as gradients, a signal handler); wait for the call in progress to return."
             )
         with self._lock:
-            self._owner = me
+            self._owner, self._answered = me, None
             try:
-                return operation()
-            finally:
+                self.refuse_if_broken()
+                yield
                 self._owner = None
+            except BaseException as error:
+                self._owner = None
+                if self._answered is not None:  # a gradient call that completed, then lost its result
+                    self._lost_answer(self._answered, error)
+                raise
+
+    def _lost_answer(self, scope: GradientScope, error: BaseException) -> None:
+        """Poison a call that completed with the verdict "apply" but raised before returning it.
+
+        The other ranks apply the step; this rank's caller got an exception
+        instead of the go-ahead. The verdict is read again (a device read
+        synchronizes; one that fails counts as "apply").
+        """
+        try:
+            verdict = scope.state.read() if scope.state is not None else None
+            applies = verdict is None or not (verdict.overflow or verdict.poisoned)
+        except BaseException:
+            applies = True
+        if applies and self.broken is None and scope.ballot.communicator is not None:
+            self._poison_own(scope.ballot.communicator, error)
 
     # Call-order rules: each raises before anything changed.
 
@@ -214,66 +252,174 @@ class Step:
 
     # The gradient calls.
 
-    def gradient_call(
-        self,
-        phase: str,
-        states: StateSet,
-        ballot: Ballot,
-        parse: Callable[[], tuple[Call, State]],
-        run: Callable[[Call, State, Ballot], tuple[int, ...] | None],
-        join_after_failure: Callable[[OverflowVote, BaseException], None],
-    ) -> tuple[Call, State]:
-        """Run one gradient call: validate, claim, open the step, run, record; any failure is accounted for.
+    @contextlib.contextmanager
+    def gradient_call(self, phase: str, states: StateSet, communicator: Communicator | None) -> Iterator[GradientScope]:
+        """Scope one gradient call: the face validates, opens, runs and records inside it; a failure is accounted for.
 
         A call refused by the call-order rules (:meth:`refuse_gradient_call`:
         no ``scale_loss`` in the step, ``check()`` after another gradient
-        call) changes nothing and joins nothing, with a communicator too:
-        every rank refuses it alike. A call refused while validating its
-        arguments changes nothing and joins nothing without a communicator;
-        with one, the other ranks wait in its collective, so it counts as an
-        overflow and joins as one. A call that fails once it may have
-        written counts as an overflow and joins (once) if it had not. Every
-        failure of a ``check()`` leaves every statistics record saying
-        "skip". A refused configuration (``ConfigError``) is refused alike on
-        every rank: nobody joins.
+        call) changes nothing and joins nothing, on every rank alike; a refused
+        configuration (``ConfigError``) likewise. Any other failure, by where
+        it stopped the call:
+
+        - before the call joined its collective: the step counts as this rank's
+          overflow (a call that fails once it may have written counts as one)
+          and, with a communicator, the call joins as an overflowed rank so
+          that nobody waits for it;
+        - after it joined: the collective's answer is in hand (in device memory,
+          or the host's pair), so the call finishes from it. An overflow
+          verdict is the one every rank has: every rank skips. A verdict
+          "apply" means the other ranks apply this step while this call's
+          caller got an exception instead of the go-ahead: the ranks may
+          disagree, so the scaler is poisoned (:meth:`poison`);
+        - inside the collective (this rank cannot know whether it took part, nor
+          what the others decided): the scaler is poisoned.
+
+        A scaler poisoned by its own failure sends the poisoned vote once, so
+        that the other ranks refuse too, from the collective they wait in or
+        from their next one.
+
+        Every failure of a ``check()`` leaves every statistics record saying "skip".
         """
-        # Call-order refusals come first and join nothing, with a communicator too (as a ConfigError): every
-        # rank makes the same calls in the same order, so every rank refuses the same call and none waits in
-        # its collective. Joining as an overflow would count a skip and back off the scale for a step that
-        # never opened (its loss was never scaled), where a refusal must change nothing.
         self.refuse_gradient_call(phase, states.config)
+        scope = GradientScope(phase, states, Ballot(communicator))
         try:
-            call, state = parse()
-            claims = self.claims if self.phase == UNSCALED else StepClaims()
-            if phase == UNSCALED and states.counts:  # a disabled scaler's guard touches nothing: nothing to claim
-                claims = claims.with_call(call)  # new claims: committed below, where a failure counts
+            yield scope
         except ConfigError:
-            raise
+            if scope.opened or scope.ballot.stage != NOT_JOINED:  # after the call started: a failure like any
+                self._account(scope, RuntimeError("a configuration error after the call started"))
+            raise  # refused before it started: alike on every rank, and nothing changed
         except BaseException as error:
-            try:
-                if phase == INSPECTED:
-                    states.skip_all()
-                if ballot.vote is not None:
-                    self._fail(phase, states, None, None)
-            finally:
-                ballot.join_after_failure(error, join_after_failure)
+            self._account(scope, error)
             raise
-        culprits: tuple[int, ...] | None = ()
+
+    def open_call(self, scope: GradientScope, call: Call, state: State) -> None:
+        """Commit a validated call: claim its memory (an unscale) and open the step's gradient part if it is not.
+
+        Raises:
+            DuplicateGradientError: The call would unscale memory an earlier call of the step unscaled.
+        """
+        claims = self.claims if self.phase == UNSCALED else StepClaims()
+        if scope.phase == UNSCALED and scope.states.counts:  # a disabled scaler's guard touches nothing to claim
+            claims = claims.with_call(call)  # new claims: committed below, where a failure counts
+        scope.call, scope.state, scope.opened = call, state, True
+        if self.phase != scope.phase:
+            self._open(scope.phase, scope.states, claims)
+        elif scope.states.counts:
+            self.claims = claims
+
+    def record_call(self, scope: GradientScope, culprits: tuple[int, ...] | None) -> None:
+        """Keep the call's record (its labels, tables, state and culprits): the call's commit, made once.
+
+        From here a failure before the call returns is a lost result (:meth:`call` accounts for it).
+        """
+        scope.culprits = culprits
+        if scope.states.counts and scope.call is not None and not scope.recorded:
+            record = CallRecord(scope.call.labels, scope.call.plan, scope.state, culprits)
+            self.records, scope.recorded = (*self.records, record), True  # one statement: kept once
+        scope.recorded = True
+        if scope.ballot.stage == JOINED:
+            self._answered = scope
+
+    def _account(self, scope: GradientScope, error: BaseException) -> None:
+        """Account for a gradient call that ``error`` stopped, by how far it got (see :meth:`gradient_call`).
+
+        Each part runs even if one before it raises: the step ends up open and counted as decided, the records
+        say "skip" unless the call's answer decided otherwise, and the collective is joined (or the poison
+        sent) as the call stood.
+        """
+        stage = scope.ballot.stage
+        if isinstance(error, RanksMayDisagreeError):
+            self.poison(error)  # the others' poisoned vote: every rank read it from the same collective
+        elif stage == JOINING:
+            self.poison(poisoned_error(INSIDE))
         try:
-            if self.phase != phase:
-                self._open(phase, states, claims)
-            elif states.counts:
-                self.claims = claims
-            culprits = run(call, state, ballot)
-            if states.counts:  # the call's commit: an interrupt from here on finds its record complete
-                self.records = (*self.records, CallRecord(call.labels, call.plan, state, culprits))
+            if not (stage == JOINED and scope.opened and self._finish_from_answer(scope)):
+                if scope.opened or scope.ballot.communicator is not None:
+                    self._fail(scope)
+                elif scope.phase == INSPECTED:
+                    scope.states.skip_all()
+        finally:
+            self._join_after_failure(scope, stage, error)
+
+    def _finish_from_answer(self, scope: GradientScope) -> bool:
+        """Finish a call that failed after its collective answered; return False if the answer was refused.
+
+        The answer is in hand (device memory, or the host's pair), so the verdict is the one every rank takes
+        from it, and the call is recorded. An overflow: every rank skips, and so does this one. "Apply": the
+        others apply a step this call's caller never got the go-ahead for; :meth:`call` poisons the scaler for
+        it, as for any recorded call that does not return. A verdict this rank cannot read any more leaves it
+        unable to know: poisoned.
+        """
+        state = scope.state
+        assert state is not None  # an opened call has its state
+        try:
+            if not scope.finished:
+                state.finish_vote(scope.phase == INSPECTED, scope.max_norm)
+            verdict = state.read()
+            scope.states.found(verdict.overflow, verdict.local)
+            self.record_call(scope, scope.culprits)
+        except CupyAmpError as refused:
+            if isinstance(refused, RanksMayDisagreeError):
+                self.poison(refused)
+            return False  # the answer was refused alike on every rank: an overflow, accounted for by the caller
+        except BaseException:
+            self.poison(poisoned_error(INSIDE))
+            return True
+        if verdict.poisoned:
+            self.poison(poisoned_error(OTHERS))
+        return True  # kept as the call's record: a verdict "apply" the caller never got is poisoned by call()
+
+    def _join_after_failure(self, scope: GradientScope, stage: str, error: BaseException) -> None:
+        """Join the collective as an overflowed rank if the call never did; if it poisoned the scaler itself,
+        send the poisoned vote instead.
+
+        The poisoned vote is sent once, from the host: it completes the collective the other ranks wait in, if
+        this rank never joined it, or else their next one; either way every other rank learns of it.
+        """
+        communicator = scope.ballot.communicator
+        if communicator is None:
+            return
+        try:
+            if self.broken is not None and self.broken.own:
+                send_poison(communicator)
+            elif stage == NOT_JOINED:
+                scope.ballot.sum(np.array([1.0, 0.0], dtype=np.float64), None)
+        except BaseException as join_error:
+            if scope.ballot.stage == JOINING:  # the join after the failure is itself of unknown outcome
+                self.poison(poisoned_error(INSIDE))
+            log_failed_join(error, join_error)
+
+    @contextlib.contextmanager
+    def applying(self, communicator: Communicator | None, applies: Callable[[], bool]) -> Iterator[None]:
+        """Scope a check and the optimizers' application of it (``scaler.step``).
+
+        With a communicator, a failure after the check completed with the
+        verdict "apply" (before the optimizers ran, or while they ran) leaves
+        this rank's weights unlike the other ranks', which apply the step whole:
+        the scaler is poisoned and sends the poisoned vote. ``applies`` reads
+        the verdict; if even that fails, the step is taken to apply. A check
+        that failed was accounted for by its own scope.
+        """
+        try:
+            yield
         except BaseException as error:
-            try:
-                self._fail(phase, states, call, state, culprits)
-            finally:
-                ballot.join_after_failure(error, join_after_failure)
+            if communicator is not None and self.broken is None:
+                try:
+                    poisoned = applies()
+                except BaseException:
+                    poisoned = True
+                if poisoned:
+                    self._poison_own(communicator, error)
             raise
-        return call, state
+
+    def _poison_own(self, communicator: Communicator, error: BaseException) -> None:
+        """Poison the scaler for a failure after the ranks agreed to apply, and tell the other ranks."""
+        self.poison(poisoned_error(AFTER))
+        try:
+            send_poison(communicator)
+        except BaseException as join_error:
+            log_failed_join(error, join_error)
 
     def _open(self, phase: str, states: StateSet, claims: StepClaims) -> None:
         """Open the gradient part of the step: forget the last step's verdict; the phase changes last."""
@@ -283,34 +429,27 @@ class Step:
             self.records, self.claims = (), claims
         self.phase = phase
 
-    def _fail(
-        self,
-        phase: str,
-        states: StateSet,
-        call: Call | None,
-        state: State | None,
-        culprits: tuple[int, ...] | None = (),
-    ) -> None:
-        """Count a failed call as an overflow of the step, opening the step if it was not.
+    def _fail(self, scope: GradientScope) -> None:
+        """Count a failed call as this rank's overflow of the step, opening the step if it was not.
 
         Each part is done even if one before it raises (a broken device): the
         step is open, counts as an overflow on the host, and says "skip".
         """
         try:
-            if self.phase != phase:
-                self._open(phase, states, StepClaims())
+            if self.phase != scope.phase:
+                self._open(scope.phase, scope.states, StepClaims())
         finally:
-            self.phase = phase
+            self.phase = scope.phase
             try:
-                if states.counts:
-                    record = (
-                        CallRecord(call.labels, call.plan, state, culprits) if call else CallRecord((), None, None, ())
-                    )
-                    self.records = (*self.records, record)
-                states.mark_overflow(state)
+                if scope.states.counts and not scope.recorded:
+                    call = scope.call
+                    labels, plan = (call.labels, call.plan) if call is not None else ((), None)
+                    record = CallRecord(labels, plan, scope.state, scope.culprits)
+                    self.records, scope.recorded = (*self.records, record), True  # one statement: kept once
+                scope.states.mark_overflow(scope.state)
             finally:
-                if phase == INSPECTED:
-                    states.skip_all()
+                if scope.phase == INSPECTED:
+                    scope.states.skip_all()
 
     def holds(self, number: int) -> bool:
         """Return whether step ``number`` is open with its gradients inspected (between check() and update())."""
@@ -324,6 +463,34 @@ class Step:
     def culprit_labels(self, read: Callable[[CallRecord], tuple[int, ...]]) -> list[Hashable]:
         """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
         return [record.labels[position] for record in self.records for position in read(record)]
+
+
+class GradientScope:
+    """One gradient call as far as it got, for the step machine to account for a failure.
+
+    Attributes:
+        phase: UNSCALED (``unscale_and_check``) or INSPECTED (``check``).
+        states: The face's states the call runs on.
+        ballot: The call's part in the collective.
+        call, state: The validated call and the state it runs on (set by :meth:`Step.open_call`).
+        opened: Whether the call was committed (claims taken, step opened): a failure from here counts.
+        finished: Whether the call's work after its collective (the verdict's combination) was queued.
+        recorded: Whether the call's record was kept (once, by :meth:`Step.record_call` or a failure).
+        culprits: The positions of its gradients that held inf/nan, where known on the host.
+        max_norm: ``check()``'s clip threshold (0.0: none), to finish a check from its answer.
+    """
+
+    __slots__ = (
+        "ballot", "call", "culprits", "finished", "max_norm", "opened", "phase", "recorded", "state", "states",
+    )  # fmt: skip
+
+    def __init__(self, phase: str, states: StateSet, ballot: Ballot) -> None:
+        self.phase, self.states, self.ballot = phase, states, ballot
+        self.call: Call | None = None
+        self.state: State | None = None
+        self.opened = self.finished = self.recorded = False
+        self.culprits: tuple[int, ...] | None = ()
+        self.max_norm = 0.0
 
 
 def scale_fixed_at_one(config: ScalerConfig) -> bool:
@@ -432,6 +599,12 @@ class StateSet:
         for state in self.all():
             state.skip_statistics()  # on the GPU: after the state's last work, on its device
 
+    def close(self) -> None:
+        """Close the step on every state without the rule (a disabled scaler's guard): its records say "skip"."""
+        for state in self.all():
+            state.stats.record.closed()
+            state.skip_statistics()
+
     def update(self, after: ScalerState) -> None:
         """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).
 
@@ -453,26 +626,28 @@ class StateSet:
         self.finite[()] = not overflow
 
 
-def unscale_call(call: Call, state: State, ballot: Ballot) -> tuple[int, ...] | None:
-    """Queue the unscale of a claimed call, then its vote and the verdict's combination."""
+def unscale_call(call: Call, state: State, scope: GradientScope) -> tuple[int, ...] | None:
+    """Queue the unscale of a committed call, then (with a communicator) its vote and the verdict's combination."""
     culprits = state.unscale(call) if call.backend is not None else ()
-    if ballot.vote is not None:
-        state.vote(ballot)
-        state.combine()
+    if scope.ballot.communicator is not None:
+        state.vote(scope.ballot)
+        state.finish_vote(False, 0.0)
+    scope.finished = True
     return culprits
 
 
-def check_call(
-    call: Call, state: State, ballot: Ballot, max_norm: float, report: bool = False
-) -> tuple[int, ...] | None:
-    """Queue the statistics pass of a call, then (with a communicator) the all-reduce of its sums and the finish.
+def check_call(call: Call, state: State, scope: GradientScope, report: bool = False) -> tuple[int, ...] | None:
+    """Queue the statistics pass of a committed call, then (with a communicator) the all-reduce of its sums and
+    the finish.
 
     A call without arrays (a rank without gradients) runs the pass too, over nothing: its record, and the
     pair a communicator sums, then hold this step's own values (no overflow, sum 0), not what the last
     step's all-reduce left there (the other ranks' sums and overflow count).
     """
-    culprits = state.check(call, max_norm, ballot.vote is not None, report)
-    if ballot.vote is not None:
-        state.vote_sums(ballot)
-        state.finish_check(max_norm)
+    voting = scope.ballot.communicator is not None
+    culprits = state.check(call, scope.max_norm, voting, report)
+    if voting:
+        state.vote_sums(scope.ballot)
+        state.finish_vote(True, scope.max_norm)
+    scope.finished = True
     return culprits

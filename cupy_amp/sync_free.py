@@ -9,13 +9,13 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
-from cupy_amp.distributed import OverflowVote, impossible_answers, overflow_vote_for, vote_after_failure
+from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ArgumentTypeError, ConfigError
 from cupy_amp.face import Face
-from cupy_amp.gradients import Call, CallCache, GradientSet, parse_gradients
+from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.step import INSPECTED, UNSCALED, Ballot, CallRecord, StateSet, Step, unscale_call, where
+from cupy_amp.step import INSPECTED, UNSCALED, CallRecord, StateSet, Step, unscale_call, where
 
 __all__ = ["SyncFreeGradScaler"]
 
@@ -64,7 +64,7 @@ class SyncFreeGradScaler(Face):
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
         self._states = StateSet(config, initial_state(config, init_scale), one_device=True)
-        self._vote: OverflowVote | None = overflow_vote_for(comm)
+        self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()
         self._bad_votes_reported = 0
@@ -85,13 +85,10 @@ class SyncFreeGradScaler(Face):
             As ``unscale_and_check`` does for bad gradients.
         """
         gradient_set = gradients if type(gradients) is GradientSet else GradientSet(gradients)
-
-        def prepare() -> None:
+        with self._step.call():
             call = parse_gradients(gradient_set, one_device=_ONE_DEVICE, in_place=False)  # for check() too
             if call.backend is not None:
                 self._place(self._states, call.backend, call.devices[0]).prepare(call)
-
-        self._step.run(prepare)
         return gradient_set
 
     @property
@@ -110,9 +107,14 @@ class SyncFreeGradScaler(Face):
         """Read the state (synchronizes); raise if an all-reduce answered garbage since the last read.
 
         Raises:
+            RanksMayDisagreeError: An all-reduce answered a poisoned vote (the scaler refuses from now on).
             CommunicatorError: Some all-reduce's answer was impossible (those steps were skipped).
         """
-        state, overflow, local, epoch, bad_votes = self._state.snapshot()
+        self._step.refuse_if_broken()
+        state, overflow, local, epoch, bad_votes, poisoned = self._state.snapshot()
+        if poisoned:
+            self._step.poison(poisoned_error(OTHERS))
+            self._step.refuse_if_broken()
         if bad_votes > self._bad_votes_reported:
             count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
             raise impossible_answers(count)
@@ -140,16 +142,13 @@ class SyncFreeGradScaler(Face):
             gradients not yet prepared while a CUDA graph is being captured.
         """
 
-        def parse() -> tuple[Call, State]:
-            call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE)
-            return call, self._place(self._states, call.backend, call.devices[0] if call.devices else -1)
-
-        def unscale() -> Any:
-            ballot = Ballot(self._vote)
-            _, state = self._step.gradient_call(UNSCALED, self._states, ballot, parse, unscale_call, vote_after_failure)
+        with self._step.call():
+            with self._step.gradient_call(UNSCALED, self._states, self._communicator) as scope:
+                call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE)
+                state = self._place(self._states, call.backend, call.devices[0] if call.devices else -1)
+                self._step.open_call(scope, call, state)
+                self._step.record_call(scope, unscale_call(call, state, scope))
             return state.finite
-
-        return self._step.run(unscale)
 
     def apply_if_finite(self, targets: Any, updates: Any) -> None:
         """Copy each of ``updates`` into the matching array of ``targets``, only if the step's gradients were finite.
@@ -178,12 +177,10 @@ class SyncFreeGradScaler(Face):
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
 
-        def update() -> None:
+        with self._step.call():
             self._step.require_gradients()
             self._state.update()
             self._step.close()
-
-        self._step.run(update)
 
     def had_overflow(self) -> bool:
         """Return True if the current step (or, after ``update()``, the last step) overflowed (synchronizes)."""
@@ -226,9 +223,9 @@ class SyncFreeGradScaler(Face):
                 "GradScaler, or train without a scaler."
             )
 
-        def load() -> None:
+        with self._step.call():
             self._step.require_idle("load_checkpoint() cannot replace the state")
-            config, (state, overflow, local, _, _) = self.config, self._state.snapshot()
+            config, (state, overflow, local, *_) = self.config, self._state.snapshot()
             try:
                 self._states.restore(
                     checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
@@ -238,8 +235,6 @@ class SyncFreeGradScaler(Face):
                 raise
             self._bad_votes_reported, self._step.records = 0, ()  # restore() cleared the state's count
             self._numerics_source = None  # the loaded state's last step is not the one reported
-
-        self._step.run(load)
 
     def __repr__(self) -> str:
         config = self.config

@@ -81,16 +81,40 @@ struct State {
     double max_scale;  // inf without a ceiling
     u64 growth_interval;
     u64 hysteresis;
-    u64 bad_votes;  // all-reduce answers that were no maximum of the ranks' flags (the host raises on them)
+    u64 bad_votes;       // steps whose all-reduce answer no ranks can produce (the host raises on them)
+    u64 bad_vote_epoch;  // the step last counted there: finishing a vote twice counts it once
+    u64 stats;           // Stats*: the statistics record, which says "skip" from each step's opening and close on
+    double vote_count;   // unscale_and_check's all-reduced pair: this rank's 0/1 overflow flag, then the ranks' count,
+    double vote_sum;     // and 0 beside it, as in check()'s pair (count, sum of squares): one kind of collective
     float scale;
     int found;             // 1 once this rank's gradients of the step held inf/nan
-    int agreed;            // with a communicator: the MAX of `found` over the ranks (the all-reduce)
+    int agreed;            // with a communicator: 1 if any rank's did (from the all-reduced count)
+    int poisoned;          // 1 once an all-reduce answered a poisoned vote (cupy_amp.distributed.POISON): for good
     unsigned char finite;  // the verdict handed to users (1: finite); the rule never reads it back
 };
 
 struct StateArgs {
     u64 state;  // State*
 };
+
+constexpr double kPoison = 1099511627776.0;  // 2**40, cupy_amp.distributed.POISON: POISON plus a count of ranks is
+                                            // a poisoned vote; beyond 2 * POISON (inf...) it is garbage
+
+// The verdict of an all-reduced count of overflowed ranks (cupy_amp.distributed.count_verdict), into the State:
+// whether any rank overflowed, this rank's own flag included; a poisoned count; an impossible one (counted
+// once per step in bad_votes). Returns whether the count was bad. A NaN fails every comparison.
+__device__ __forceinline__ bool take_count(State* s, double count) {
+    if (count >= kPoison && count < 2.0 * kPoison) s->poisoned = 1;
+    const bool bad = s->poisoned == 0 && !(count >= (double)s->found && count < kPoison && count == floor(count));
+    if (bad && s->bad_vote_epoch != s->epoch) {
+        s->bad_votes += 1;
+        s->bad_vote_epoch = s->epoch;
+    }
+    const bool agreed = bad || s->poisoned != 0 || count > 0.0;
+    s->agreed = agreed ? 1 : 0;
+    if (agreed || s->found != 0) s->finite = 0;
+    return bad;
+}
 
 // One step's read-only statistics of the gradients (cupy_amp.statistics): the optimizers read `factor`
 // and `skip` from here, so neither the scale nor the verdict passes through the host.

@@ -95,15 +95,20 @@ __device__ void finish_stats(const FinishArgs& args) {
     // sum of squares must be at least this rank's share (so not NaN, nor negative), and infinite only if the
     // share is. A NaN fails every comparison. Anything else is counted, and the step is skipped.
     const double count = stats->overflowed, total = stats->sum_of_squares, own = stats->own_sum_of_squares;
-    const bool bad_count = !(count >= (double)local && count == floor(count) && count < 1e15);
-    const bool bad_sum = !bad_count && count == 0.0 && !(total >= own && (!isinf(total) || isinf(own)));
-    const bool bad = args.stage == kFinishOnly && (bad_count || bad_sum);
-    const bool agreed = args.stage == kFinishOnly && (bad || count > 0.0);
+    bool bad = false;
     if (args.stage == kFinishOnly) {
-        if (bad) state->bad_votes += 1;
-        state->agreed = agreed ? 1 : 0;
-        if (agreed) state->finite = 0;
+        bad = take_count(state, count);
+        if (!bad && state->agreed == 0 && !(total >= own && (!isinf(total) || isinf(own)))) {
+            bad = true;  // an impossible sum of squares: counted as an impossible count is
+            if (state->bad_vote_epoch != state->epoch) {
+                state->bad_votes += 1;
+                state->bad_vote_epoch = state->epoch;
+            }
+            state->agreed = 1;
+            state->finite = 0;
+        }
     }
+    const bool agreed = args.stage == kFinishOnly && state->agreed != 0;
     const float inv_scale = inverse_of(state->scale);
     const float norm = narrow(__dmul_rn(__dsqrt_rn(stats->sum_of_squares), widen(inv_scale)));
     float clip = 1.0f;

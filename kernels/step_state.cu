@@ -18,6 +18,7 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
 // cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
+    reinterpret_cast<Stats*>(s->stats)->skip = 1;  // the step closes: no optimizer may apply its record again
     if (s->updated_epoch == s->epoch) return;  // a retried update (after an interrupt) applies the rule once
     s->updated_epoch = s->epoch;
     const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
@@ -55,24 +56,31 @@ __device__ void update_state(State* s) {
 
 #define CUPY_AMP_ONE_THREAD(NAME, ARGS) extern "C" __global__ void __launch_bounds__(1) NAME(const cupy_amp::ARGS args)
 
-// A step's first unscale call: a new epoch, and flags that say "finite" until a kernel finds otherwise.
+// A step's first gradient call: a new epoch, flags that say "finite" until a kernel finds otherwise, and a
+// statistics record that says "skip" until this step's check() completes.
 CUPY_AMP_ONE_THREAD(cupy_amp_begin_step, StateArgs) {
     cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
     s->epoch = cupy_amp::next_epoch(s->epoch);
     s->found = 0;
     s->agreed = 0;
     s->finite = 1;
+    reinterpret_cast<cupy_amp::Stats*>(s->stats)->skip = 1;
 }
 
-// After the all-reduce: the step overflowed if any rank's gradients did, this rank's included whatever
-// the reduction answered. An answer that is no maximum of 0/1 flags is counted (and is an overflow).
+// Before unscale_and_check's all-reduce: this rank's pair, (its 0/1 overflow flag, 0).
+CUPY_AMP_ONE_THREAD(cupy_amp_cast_vote, StateArgs) {
+    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    s->vote_count = s->found != 0 ? 1.0 : 0.0;
+    s->vote_sum = 0.0;
+}
+
+// After the all-reduce (cupy_amp.distributed.count_verdict): the step overflowed if any rank's gradients did,
+// this rank's included whatever the answer. A poisoned count poisons the state for good; a count that is no
+// whole number of ranks, at least this rank's own, is counted once per step (and is an overflow). Running
+// twice (a call finished again after an interrupt) gives the same state.
 CUPY_AMP_ONE_THREAD(cupy_amp_combine_vote, StateArgs) {
     cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
-    if (s->agreed < s->found || s->agreed > 1) {
-        s->bad_votes += 1;
-        s->agreed = 1;
-    }
-    if (s->found != 0 || s->agreed != 0) s->finite = 0;
+    cupy_amp::take_count(s, s->vote_count);
 }
 
 // A call that failed after it may have written gradients: the step counts as this rank's overflow.

@@ -1,10 +1,9 @@
-"""An in-process stand-in for a communicator: N ranks as N threads, votes through a barrier.
+"""An in-process stand-in for a communicator: N ranks as N threads, all-reduces through a barrier.
 
-:class:`FakeVote` implements :class:`cupy_amp.distributed.OverflowVote` for
-NumPy int32 flags and host flags, and ``reduce_sum`` (what ``check()`` needs)
-for float64 pairs. Every vote is a collective: each rank deposits
-its flag, waits for all the others, then reads the MAX. The barrier has a
-timeout, so a rank that does not join a vote makes the others raise
+:class:`FakeVote` implements :class:`cupy_amp.distributed.Communicator`: a SUM
+all-reduce of float64 pairs. Every call is a collective: each rank deposits its
+pair, waits for all the others, then reads the sum. The barrier has a timeout,
+so a rank that does not join makes the others raise
 ``threading.BrokenBarrierError`` quickly instead of hanging the test run (as a
 real NCCL all-reduce would).
 """
@@ -27,24 +26,16 @@ class FakeWorld:
 
     Attributes:
         size: The number of ranks.
-        votes: For each rank, the (local flag, agreed flag) of every vote it took part in, in order.
+        sums: For each rank, the pair it gave to every all-reduce it took part in, in order.
+        votes: For each rank, (its own overflow flag, the summed count of overflowed ranks) of each of them.
     """
 
     def __init__(self, size: int, timeout: float = 5.0) -> None:
         self.size = size
         self._barrier = threading.Barrier(size, timeout=timeout)
-        self._slots = [0] * size
+        self._slots: list[Any] = [0] * size
         self.votes: list[list[tuple[int, int]]] = [[] for _ in range(size)]
         self.sums: list[list[np.ndarray]] = [[] for _ in range(size)]
-
-    def max_over_ranks(self, rank: int, value: int) -> int:
-        """Deposit ``value`` for ``rank``, wait for every rank, and return the maximum (a collective)."""
-        self._slots[rank] = value
-        self._barrier.wait()
-        agreed = max(self._slots)
-        self._barrier.wait()  # nobody deposits the next vote before everyone has read this one
-        self.votes[rank].append((value, agreed))
-        return agreed
 
     def sum_over_ranks(self, rank: int, values: np.ndarray) -> np.ndarray:
         """Deposit ``values`` for ``rank``, wait for every rank, and return the elementwise sum (a collective)."""
@@ -53,6 +44,7 @@ class FakeWorld:
         total = np.sum(np.stack(self._slots), axis=0)  # type: ignore[arg-type]
         self._barrier.wait()
         self.sums[rank].append(values.copy())
+        self.votes[rank].append((int(values[0]), int(total[0])))
         return total
 
     def sync(self) -> None:
@@ -64,34 +56,22 @@ class FakeWorld:
         self._barrier.abort()
 
     def vote_count(self, rank: int) -> int:
-        """Return how many votes ``rank`` took part in."""
+        """Return how many all-reduces ``rank`` took part in."""
         return len(self.votes[rank])
 
 
 class FakeVote:
-    """One rank's :class:`~cupy_amp.distributed.OverflowVote` over a :class:`FakeWorld`."""
+    """One rank's :class:`~cupy_amp.distributed.Communicator` over a :class:`FakeWorld`."""
 
     def __init__(self, world: FakeWorld, rank: int) -> None:
         self.world = world
         self.rank = rank
-
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        """Set ``flags[1]`` to the maximum over all ranks of ``flags[0]`` (``stream`` is ignored)."""
-        if not isinstance(flags, np.ndarray) or flags.dtype != np.int32 or flags.shape != (2,):
-            raise TypeError(f"reduce_max expected a NumPy int32 array of shape (2,), got {flags!r}.")
-        flags[1] = self.world.max_over_ranks(self.rank, int(flags[0]))
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         """Replace the float64 pair ``values`` by its sum over all ranks (``stream`` is ignored)."""
         if not isinstance(values, np.ndarray) or values.dtype != np.float64 or values.shape != (2,):
             raise TypeError(f"reduce_sum expected a NumPy float64 array of shape (2,), got {values!r}.")
         values[...] = self.world.sum_over_ranks(self.rank, values)
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        """Return True if any rank's ``local_overflow`` was True."""
-        if not isinstance(local_overflow, bool):
-            raise TypeError(f"host_vote expected a bool, got {type(local_overflow).__name__}.")
-        return bool(self.world.max_over_ranks(self.rank, int(local_overflow)))
 
 
 def run_ranks(world: FakeWorld, body: Callable[[FakeWorld, int], T], join_timeout: float = 30.0) -> list[T]:

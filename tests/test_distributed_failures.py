@@ -1,9 +1,9 @@
-"""Every rank votes exactly once per call, whatever fails, and never contradicts its own gradients.
+"""Every rank joins exactly one all-reduce per call, whatever fails, and never contradicts its own gradients.
 
-Ranks are threads with NumPy gradients voting through :mod:`fake_comm`; a rank
-that missed a vote would make the others fail on the barrier's timeout. The
-communicator's own failures and garbage answers are played by stand-ins. Every
-scaler test runs on both faces.
+Ranks are threads with NumPy gradients summing through :mod:`fake_comm`; a rank
+that missed a collective would make the others fail on the barrier's timeout.
+The communicator's own failures and garbage answers are played by stand-ins.
+Every scaler test runs on both faces.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ from cupy_amp import (
     CupyAmpError,
     DuplicateGradientError,
     GradientTypeError,
+    RanksMayDisagreeError,
     numpy_backend,
 )
-from cupy_amp.distributed import device_answer
+from cupy_amp.distributed import POISON, count_verdict
 
 
 class DeviceLost(RuntimeError):
@@ -93,39 +94,35 @@ def test_a_failure_after_the_gradients_were_written_votes_overflow_once(
     assert grads0 == [[2.0, 2.0], [2048.0, 2048.0]]  # the first array unscaled once, the second never
     assert grads1 == [[2.0, 2.0], [2.0, 2.0]]
     assert stats0 == stats1 == (512.0, 1, 1, 1, 0)
-    assert world.votes == [[(1, 1), (1, 1)], [(0, 1), (1, 1)]]  # one vote per call: rank 0's failure counted
+    # One all-reduce per call, (own flag, ranks with inf/nan): rank 0's failure counted, then both refused retries.
+    assert world.votes == [[(1, 1), (1, 2)], [(0, 1), (1, 2)]]
 
 
 class RaisingVote:
-    """A communicator that fails: its collectives raise."""
+    """A communicator that fails: its all-reduces raise."""
 
     def __init__(self) -> None:
         self.calls = 0
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        raise AssertionError("NumPy gradients vote from the host")
-
-    def host_vote(self, local_overflow: bool) -> bool:
+    def reduce_sum(self, values: Any, stream: Any) -> None:
         self.calls += 1
         raise ConnectionError("peer reset")
 
 
 class AnsweringVote:
-    """A communicator that answers whatever it was told to."""
+    """A communicator that answers a count of overflowed ranks of its choosing (and a sum of 0)."""
 
-    def __init__(self, answer: Any) -> None:
-        self.answer = answer
+    def __init__(self, count: Any) -> None:
+        self.count = count
         self.calls = 0
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        raise AssertionError("NumPy gradients vote from the host")
-
-    def host_vote(self, local_overflow: bool) -> Any:
+    def reduce_sum(self, values: Any, stream: Any) -> None:
         self.calls += 1
-        return self.answer
+        values[...] = [self.count, 0.0]
 
 
-def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skipped(face: Face) -> None:
+def test_a_communicator_that_raises_poisons_the_scaler(face: Face) -> None:
+    """NCCL's rule: a communicator that failed inside a collective is unusable; the ranks may disagree now."""
     vote = RaisingVote()
     scaler = face(init_scale=4.0, comm=vote)
     grads = [np.full(2, 8.0, np.float32)]
@@ -134,33 +131,30 @@ def test_a_communicator_that_raises_is_a_communicator_error_and_the_step_is_skip
         scaler.unscale_and_check(grads)
     assert isinstance(info.value.__cause__, ConnectionError)
     assert isinstance(info.value, RuntimeError)
-    # A vote that raised took no part in the collective, so the call votes "overflow" once more (and fails again).
+    # The call cannot know whether it took part: no second join, but the poisoned vote, sent once (and failing).
     assert vote.calls == 2
-    assert isinstance(info.value.__context__, CommunicatorError)
-    assert scaler.had_overflow() is True
-    with pytest.raises(DuplicateGradientError):
-        scaler.unscale_and_check(grads)
+    for call in (scaler.had_overflow, scaler.update, scaler.stats, lambda: scaler.unscale_and_check(grads)):
+        with pytest.raises(RanksMayDisagreeError, match="Restore every rank from the last checkpoint"):
+            call()
+    assert vote.calls == 2
     assert grads[0].tolist() == [2.0, 2.0]
-    scaler.update()
-    assert scaler.stats().skipped_steps == 1
 
 
-@pytest.mark.parametrize("answer", [1, 0, "yes", None, np.int32(0), 0.0, [False]])
-def test_an_answer_that_is_not_a_bool_is_a_communicator_error(face: Face, answer: Any) -> None:
-    vote = AnsweringVote(answer)
+@pytest.mark.parametrize("count", [float("nan"), -1.0, 0.5, float("inf"), 2.0 * POISON, 1e300])
+def test_an_answer_that_is_no_count_of_ranks_is_a_communicator_error(face: Face, count: float) -> None:
+    vote = AnsweringVote(count)
     scaler = face(init_scale=4.0, comm=vote)
     open_step(scaler)
-    with pytest.raises(CommunicatorError, match="expected a bool"):
+    with pytest.raises(CommunicatorError, match="no such count"):
         scaler.unscale_and_check([np.full(2, 8.0, np.float32)])
     assert vote.calls == 1
-    assert scaler.had_overflow() is True
+    assert scaler.had_overflow() is True  # every rank got the same garbage, so every rank skips: they agree
     scaler.update()
     assert scaler.stats().skipped_steps == 1
 
 
-@pytest.mark.parametrize("answer", [False, np.bool_(False)])
-def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face, answer: Any) -> None:
-    scaler = face(init_scale=4.0, comm=AnsweringVote(answer))  # the others say "all finite"
+def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face) -> None:
+    scaler = face(init_scale=4.0, comm=AnsweringVote(1.0))  # one rank overflowed: this one
     open_step(scaler)
     assert face.ok(scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)})) is False
     assert scaler.nonfinite_gradients() == ["w"]
@@ -168,29 +162,43 @@ def test_a_rank_whose_gradients_hold_inf_never_reports_a_finite_step(face: Face,
     # Every call answers for the step so far: a clean call after the overflow still says "skip".
     assert face.ok(scaler.unscale_and_check([np.ones(2, np.float32)])) is False
     assert scaler.nonfinite_gradients() == ["w"]
+    # An answer of 0 ranks, below this rank's own overflow, is no sum of the ranks' flags: an error, and a skip.
+    scaler.update()
+    scaler = face(init_scale=4.0, comm=AnsweringVote(0.0))
+    open_step(scaler)
+    with pytest.raises(CommunicatorError, match="no such count"):
+        scaler.unscale_and_check({"w": np.array([1.0, np.inf], np.float32)})
+    assert scaler.had_overflow() is True
 
 
-def test_an_error_of_the_overflow_vote_does_not_hide_the_original_error(face: Face) -> None:
+def test_an_error_of_the_join_after_a_failure_does_not_hide_the_original_error(face: Face) -> None:
     vote = RaisingVote()
     scaler = face(init_scale=4.0, comm=vote)
     open_step(scaler)
     with pytest.raises(GradientTypeError, match="int32") as info:
         scaler.unscale_and_check([np.ones(2, np.int32)])
     assert isinstance(info.value, CupyAmpError)
-    assert isinstance(info.value.__context__, CommunicatorError)
+    assert any("joining the all-reduce after this failure failed" in note for note in info.value.__notes__)
     assert vote.calls == 1
-    scaler.update()  # the rank's own step counts as overflowed, as the others' would
-    assert scaler.stats().skipped_steps == 1
+    # That join's outcome is unknown too: the scaler refuses from now on, rather than guess.
+    with pytest.raises(RanksMayDisagreeError):
+        scaler.update()
 
 
 @pytest.mark.parametrize(
-    ("local", "agreed", "verdict"), [(0, 0, False), (0, 7, True), (5, 5, True), (5, 9, True)], ids=str
+    ("count", "local", "verdict"), [(0.0, False, False), (3.0, False, True), (1.0, True, True), (7.0, True, True)]
 )
-def test_a_device_vote_is_read_as_a_maximum_over_the_ranks(local: int, agreed: int, verdict: bool) -> None:
-    assert device_answer(local, agreed) is verdict
+def test_a_summed_count_is_read_as_the_ranks_that_overflowed(count: float, local: bool, verdict: bool) -> None:
+    assert count_verdict(count, local) is verdict
 
 
-@pytest.mark.parametrize(("local", "agreed"), [(5, 0), (5, 4), (0, -1)], ids=str)
-def test_a_device_vote_below_this_ranks_own_flag_is_a_communicator_error(local: int, agreed: int) -> None:
-    with pytest.raises(CommunicatorError, match="not a maximum"):
-        device_answer(local, agreed)
+@pytest.mark.parametrize(("count", "local"), [(0.0, True), (1.5, False), (-1.0, False), (float("nan"), False)])
+def test_a_count_below_this_ranks_own_flag_or_not_whole_is_a_communicator_error(count: float, local: bool) -> None:
+    with pytest.raises(CommunicatorError, match="no such count"):
+        count_verdict(count, local)
+
+
+@pytest.mark.parametrize("others", [0.0, 1.0, 5.0])
+def test_a_poisoned_count_is_the_poison_error(others: float) -> None:
+    with pytest.raises(RanksMayDisagreeError, match="Another rank's gradient call failed"):
+        count_verdict(POISON + others, False)

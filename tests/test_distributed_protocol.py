@@ -31,7 +31,7 @@ from cupy_amp import (
     GradScalerStats,
     SyncFreeGradScaler,
 )
-from cupy_amp.distributed import NcclVote, overflow_vote_for
+from cupy_amp.distributed import NcclAllReduce, communicator_for
 
 CONFIG: dict[str, Any] = {
     "init_scale": 1024.0,
@@ -246,7 +246,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(face: Face) -> Non
     assert [s.last_overflow for s in final] == ["remote", "local", "remote"]
     # One vote per call on every rank, and every rank read the same verdicts.
     assert [world.vote_count(rank) for rank in range(3)] == [32, 32, 32]
-    verdicts = [[agreed for _, agreed in world.votes[rank]] for rank in range(3)]
+    verdicts = [[int(count > 0) for _, count in world.votes[rank]] for rank in range(3)]
     assert verdicts[0] == verdicts[1] == verdicts[2] == [int(record.had_overflow) for record in records[0]]
     assert sum(verdicts[0]) == 9
 
@@ -269,7 +269,7 @@ def test_a_rank_without_gradients_still_votes_and_follows(face: Face, empty: Lay
     assert lonely[-1].stats.skipped_steps == lonely[-1].stats.remote_skipped_steps == 9
     assert world.vote_count(3) == 32
     assert {local for local, _ in world.votes[3]} == {0}
-    assert [agreed for _, agreed in world.votes[3]] == [agreed for _, agreed in world.votes[0]]
+    assert [count for _, count in world.votes[3]] == [count for _, count in world.votes[0]]
 
 
 GAN_LAYOUTS: list[tuple[Layout, ...]] = [
@@ -399,13 +399,13 @@ def test_checkpoint_file_does_not_depend_on_the_world_size(face: Face, tmp_path:
     assert two_ranks[1].to_bytes() != two
 
 
-def test_overflow_vote_for_none_is_none() -> None:
-    assert overflow_vote_for(None) is None
+def test_communicator_for_none_is_none() -> None:
+    assert communicator_for(None) is None
 
 
-def test_overflow_vote_for_returns_a_vote_as_is() -> None:
+def test_communicator_for_returns_a_communicator_as_is() -> None:
     vote = FakeVote(FakeWorld(1), 0)
-    assert overflow_vote_for(vote) is vote
+    assert communicator_for(vote) is vote
 
 
 class RawNcclStandIn:
@@ -416,7 +416,7 @@ class RawNcclStandIn:
 
 
 class BackendStandIn:
-    """Looks like cupyx.distributed.NCCLBackend for one rank: MAX over one rank copies the input."""
+    """Looks like cupyx.distributed.NCCLBackend for one rank: a SUM over one rank copies the input."""
 
     rank = 0
 
@@ -428,23 +428,31 @@ class BackendStandIn:
         out_array[...] = in_array
 
 
-def test_overflow_vote_for_wraps_nccl_communicators() -> None:
-    assert isinstance(overflow_vote_for(RawNcclStandIn()), NcclVote)
+class DevicePairStandIn:
+    """A float64 pair that the wrapper takes for a device array (not a NumPy one)."""
+
+    def __init__(self, values: list[float]) -> None:
+        self.values = values
+
+    def __setitem__(self, key: Any, other: DevicePairStandIn) -> None:
+        self.values = list(other.values)
+
+
+def test_communicator_for_wraps_nccl_communicators() -> None:
+    assert isinstance(communicator_for(RawNcclStandIn()), NcclAllReduce)
     backend = BackendStandIn()
-    vote = overflow_vote_for(backend)
-    assert isinstance(vote, NcclVote)
-
-    flags = np.array([1, 0], np.int32)
-    vote.reduce_max(flags, "the-stream")
-
-    assert flags.tolist() == [1, 1]  # flags[1] = MAX over ranks of flags[0]
-    assert backend.calls == [("max", "the-stream")]
+    communicator = communicator_for(backend)
+    assert isinstance(communicator, NcclAllReduce)
+    pair = DevicePairStandIn([1.0, 2.5])
+    communicator.reduce_sum(pair, "the-stream")
+    assert pair.values == [1.0, 2.5]  # one rank's sum is its own pair
+    assert backend.calls == [("sum", "the-stream")]
 
 
 @pytest.mark.parametrize("comm", [42, "nccl", object()], ids=["int", "str", "object"])
-def test_overflow_vote_for_refuses_anything_else(comm: Any) -> None:
+def test_communicator_for_refuses_anything_else(comm: Any) -> None:
     with pytest.raises(ArgumentTypeError, match="Invalid 'comm'") as caught:
-        overflow_vote_for(comm)
+        communicator_for(comm)
     assert isinstance(caught.value, TypeError)
     assert type(comm).__name__ in str(caught.value)
     for scaler_class in (GradScaler, SyncFreeGradScaler):
@@ -453,16 +461,15 @@ def test_overflow_vote_for_refuses_anything_else(comm: Any) -> None:
 
 
 def test_fake_vote_follows_the_protocol() -> None:
-    # The stand-in itself: reduce_max on int32 pairs and host_vote both give the MAX to every rank.
-    def body(world: FakeWorld, rank: int) -> tuple[list[int], bool, bool]:
-        vote = FakeVote(world, rank)
-        flags = np.array([int(rank == 2), 7], np.int32)
-        vote.reduce_max(flags, None)
-        return flags.tolist(), vote.host_vote(False), vote.host_vote(rank == 1)
+    # The stand-in itself: a SUM of float64 pairs over the ranks, the same answer for every rank.
+    def body(world: FakeWorld, rank: int) -> list[float]:
+        values = np.array([float(rank == 2), 0.5 * rank])
+        FakeVote(world, rank).reduce_sum(values, None)
+        return values.tolist()
 
     world = FakeWorld(3)
-    assert run_ranks(world, body) == [([0, 1], False, True), ([0, 1], False, True), ([1, 1], False, True)]
-    assert [world.vote_count(rank) for rank in range(3)] == [3, 3, 3]
+    assert run_ranks(world, body) == [[1.0, 1.5]] * 3
+    assert [world.vote_count(rank) for rank in range(3)] == [1, 1, 1]
 
 
 def test_a_disabled_scaler_does_not_vote() -> None:

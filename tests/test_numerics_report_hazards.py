@@ -16,7 +16,7 @@ from helpers import Face, open_step
 from interrupts import interrupted
 
 import cupy_amp.face
-from cupy_amp import GradScaler, ScalerProtocolError, SyncFreeGradScaler
+from cupy_amp import GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
 
 
 def nan_first() -> np.ndarray:
@@ -58,12 +58,6 @@ class OneRank:
     def __init__(self) -> None:
         self.mode = "ok"
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        flags[1] = flags[0]
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        return local_overflow
-
     def reduce_sum(self, values: Any, stream: Any) -> None:
         if self.mode == "raise":
             raise RuntimeError("link down")
@@ -82,7 +76,7 @@ def test_a_failed_check_serves_no_report_of_the_last_step(cls: Any, mode: str) -
     open_step(scaler)
     with contextlib.suppress(Exception):
         scaler.check([np.array([3.0, 3.0, 3.0], np.float32), np.array([0.0], np.float32)], report=True)
-    with contextlib.suppress(ScalerProtocolError):
+    with contextlib.suppress(ScalerProtocolError, RanksMayDisagreeError):  # (a failed communicator poisons)
         rows = scaler.gradient_numerics()
         assert [(row.label, row.size) for row in rows] == [(0, 3), (1, 1)], rows  # if served, this step's
 

@@ -28,7 +28,7 @@ from cupy_amp.errors import (
 )
 from cupy_amp.optim import SGD, AdamW
 from cupy_amp.optim.reference import fma32
-from cupy_amp.statistics import GradientStats
+from cupy_amp.record import GradientStats, StatsRecord
 
 SHAPES = [(37, 5), (1000,), (3, 3, 3)]
 
@@ -197,7 +197,7 @@ def test_the_clip_coefficient_and_inverse_scale_multiply_the_gradient_inside_the
     open_step(scaler)
     stats = scaler.check(grads, max_norm=0.5)
     SGD(weights, lr=0.1).step(grads, stats)
-    factor = np.float32(stats.source["factor"])
+    factor = np.float32(stats.record.source["factor"])
     SGD(expected, lr=0.1).step([g * factor for g in grads], None)
     assert float(stats.clip_coefficient) < 1
     for w, e in zip(weights, expected):
@@ -248,7 +248,8 @@ def test_bad_parameters_and_gradients_are_refused_before_anything_changes() -> N
         opt.step([weights[0], *grads[1:]], None)  # a gradient that is its own parameter
     with pytest.raises(ArgumentTypeError, match="GradientStats"):
         opt.step(grads, stats=object())  # type: ignore[arg-type]
-    device_stats = GradientStats(np.float32(0), np.float32(1), np.True_, 0x7F0000000000, 0, factor=np.float32(1))
+    device_record = StatsRecord(0x7F0000000000, 0)
+    device_stats = GradientStats(np.float32(0), np.float32(1), np.float32(1), np.True_, device_record, 1)
     with pytest.raises(ArgumentTypeError, match="ran on device 0"):
         opt.step(grads, stats=device_stats)
     assert opt.step_count == 0

@@ -102,12 +102,9 @@ class CallbackVote:
         self.callback = callback
         self.seen: list[Any] = []
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        raise AssertionError("NumPy gradients vote from the host")
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        self.seen.append(self.callback())
-        return local_overflow
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        assert stream is None, "NumPy gradients are summed on the host"
+        self.seen.append(self.callback())  # one rank: the sum is the rank's own pair
 
 
 def test_reading_the_scaler_from_inside_its_own_call_works(face: Face) -> None:
@@ -168,15 +165,15 @@ def test_a_switch_made_before_a_call_takes_the_lock_is_the_one_the_call_sees(
     from cupy_amp.step import Step
 
     scaler = GradScaler(enabled=False, growth_interval=1)
-    real, armed = Step.run, [True]
+    real, armed = Step.call, [True]
 
-    def run(self: Step, operation: Any) -> Any:
-        if armed and operation.__name__ in ("unscale", "check"):
+    def call(self: Step) -> Any:
+        if armed:  # the first call after this point is the gradient call below
             armed.clear()
             scaler.set_enabled(True)  # the other thread's call, served first
-        return real(self, operation)
+        return real(self)
 
-    monkeypatch.setattr(Step, "run", run)
+    monkeypatch.setattr(Step, "call", call)
     with pytest.raises(ScalerProtocolError, match="no scale_loss"):
         getattr(scaler, method)([np.array([1.0, np.inf], np.float32)])
     assert not armed and scaler.is_enabled()

@@ -411,12 +411,9 @@ class ScriptedRanks:
     def __init__(self, others: list[bool]) -> None:
         self.others = list(others)
 
-    def reduce_max(self, flags: object, stream: object) -> None:
-        raise AssertionError("NumPy gradients vote on the host")
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        others = self.others.pop(0)
-        return local_overflow or others
+    def reduce_sum(self, values: np.ndarray, stream: object) -> None:
+        assert stream is None, "NumPy gradients are summed on the host"
+        values[0] += float(self.others.pop(0))  # one other rank, its scripted overflow flag
 
 
 def test_overflow_on_another_rank_only_counts_a_remote_skip() -> None:
@@ -478,7 +475,7 @@ def test_the_host_mirror_never_disagrees_with_the_state_the_arrays_use() -> None
         else:
             scaler.check(grads, max_norm=1.0)
         scaler.update()
-        state, overflow, local, _, _ = scaler._scaling.default.snapshot()
+        state, overflow, local, _, _, _ = scaler._scaling.default.snapshot()
         stats = scaler.stats()
         assert (state.scale, state.consecutive_good_steps, state.hysteresis_tracker, state.steps) == (
             stats.scale, stats.consecutive_good_steps, stats.hysteresis_tracker, stats.steps,

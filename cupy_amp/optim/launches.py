@@ -18,12 +18,12 @@ from cupy_amp import kernel_launch
 from cupy_amp.device_tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
 from cupy_amp.kernel_interface import PARAM_DTYPE_NAMES
 from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
-from cupy_amp.statistics import GradientStats
 
 __all__ = [
     "PARAM_CHUNK_ELEMENTS",
     "ParamTable",
     "capturing",
+    "current_stream",
     "load_optimizer",
     "optimizer_step",
     "param_tables",
@@ -45,34 +45,34 @@ def load_optimizer(rule: str, device: int) -> None:
             launcher("optimizers.cu", f"cupy_amp_{rule}_{name}")
 
 
-def optimizer_step(
-    rule: str, device: int, tables: list[ParamTable], hyper: int, stats: GradientStats | None, last: Any
-) -> Any:
-    """Queue an optimizer step on the current stream: begin (reads ``stats``' record, if any), then every group.
+def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: int, last: Any) -> Any:
+    """Queue an optimizer step on the current stream: begin (reads the statistics record at ``stats``, if not 0),
+    then every group. Returns the stream.
 
-    The stream first waits (an event) for a record last written on another
-    stream, and for the optimizer's own previous step (on ``last``) if that
-    went elsewhere; the record's next writer then waits for this stream.
-    Returns the stream.
+    The stream first waits (an event) for the optimizer's own previous step (on ``last``) if that went
+    elsewhere; its order with the record's writes is the record's own (:class:`cupy_amp.record.StatsRecord`).
 
     Raises:
         ScalerProtocolError: That other stream's work cannot be waited for inside a CUDA graph capture.
     """
     with _on_device(device):
         current = cupy.cuda.get_current_stream()
-        order_after(stats.stream if stats is not None else None, current, _OTHER_STREAM)
         order_after(last, current, _OTHER_STREAM)
         stream = current.ptr
         begin = launcher("optimizers.cu", f"cupy_amp_{rule}_begin", threads=1)
-        begin(1, stream, hyper=hyper, stats=0 if stats is None else stats.source)
+        begin(1, stream, hyper=hyper, stats=stats)
         for table in tables:
             grid = min(table.chunk_count, MAX_GRID)
             launcher("optimizers.cu", table.entry)(
                 grid, stream, chunks=table.memory.data.ptr, chunk_count=table.chunk_count, hyper=hyper
             )
-        if stats is not None and stats.read_on is not None:
-            stats.read_on(current)
     return current
+
+
+def current_stream(device: int) -> Any:
+    """Return the current stream of ``device``."""
+    with _on_device(device):
+        return cupy.cuda.get_current_stream()
 
 
 def write_after(device: int, last: Any, target: Any, data: np.ndarray) -> Any:

@@ -32,7 +32,7 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.optim import reference, state_file
-from cupy_amp.statistics import GradientStats
+from cupy_amp.record import GradientStats
 
 __all__ = ["SGD", "AdamW"]
 
@@ -88,8 +88,6 @@ class _FusedOptimizer:
         self._lock = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
         self._busy = threading.Lock()  # held while a call runs: seen held by its own thread, it means re-entry
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
-        # The (step machine, number) of each scaler's statistics applied in a step still open: each applies once.
-        self._applied: tuple[tuple[Any, int], ...] = ()
         self._record = np.zeros((), dtype=self._layout.record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
             self._record[name] = value
@@ -274,53 +272,33 @@ class _FusedOptimizer:
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
-        if stats is None:
-            self._apply(grads, None)
-            return
-        # Under the scaler's lock: no update() and next check() can close the step and rewrite the record
-        # between the test that these statistics are current and their reading (or the launches that read them).
-        stats.hold(lambda: self._apply_current(grads, stats))
-
-    def _apply_current(self, grads: list[Any], stats: GradientStats) -> None:
-        self._refuse_stale(stats)
-        self._apply(grads, stats)
-
-    def _apply(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._expect_gradients(grads)
+        if stats is None:
+            self._apply(grads, None, None)
+            return
+        stream = None if self._device < 0 else self._backend.current_stream(self._device)
+        # The record admits each optimizer once per check(), and holds off the scaler's next writes (another
+        # thread's update() and check(), or kernels on another stream) until this step has read it.
+        with stats.record.reading(self, stats.step, stream) as source:
+            self._apply(grads, source, stream)
+
+    def _apply(self, grads: list[Any], source: np.ndarray | int | None, stream: Any) -> None:
+        """Apply the step: ``source`` is the statistics record (host array or device address), None for none."""
         if self._device_record is None:
-            self._host_step(grads, stats)
+            self._host_step(grads, source if isinstance(source, np.ndarray) else None)
             return
         tables = self._tables_for(grads)
         if self._backend.capturing(self._device) and not any(kept is tables for kept in self._captured):
             self._captured.append(tables)  # a graph replays them for as long as it lives: never freed
         hyper = int(self._device_record.data.ptr)
+        address = 0 if source is None else int(source)
         self._torn = "a step was interrupted (or failed) between its launches"
         try:
-            stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, stats, self._stream)
+            stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, address, self._stream)
         except ScalerProtocolError:
             self._torn = None  # its one refusal comes before the first launch: nothing changed
             raise
-        self._torn, self._applied, self._stream = None, self._applied_with(stats), stream
-
-    def _refuse_stale(self, stats: GradientStats) -> None:
-        """Refuse statistics of a step that update() closed, or that this optimizer applied already."""
-        if not stats.current():
-            raise ScalerProtocolError(
-                "step(): these statistics are of a step that the scaler's update() already closed; each step is "
-                "check() (or scaler.step(optimizer, gradients)), the optimizer step, then update(). Pass the "
-                "statistics of this step's check()."
-            )
-        step = stats.step
-        if step is not None and any(machine is step[0] and number == step[1] for machine, number in self._applied):
-            raise ScalerProtocolError(
-                "step(): this optimizer already applied these statistics (one update per check()); run the next "
-                "step's check() first."
-            )
-
-    def _applied_with(self, stats: GradientStats | None) -> tuple[tuple[Any, int], ...]:
-        """Return the applied steps after applying ``stats``: theirs added, the steps closed since dropped."""
-        still_open = tuple((machine, number) for machine, number in self._applied if machine.holds(number))
-        return still_open if stats is None or stats.step is None else (*still_open, stats.step)
+        self._torn, self._stream = None, stream
 
     def _expect_stats(self, stats: GradientStats | None) -> None:
         if stats is None:
@@ -352,17 +330,15 @@ class _FusedOptimizer:
                     f"gradients[{index}]: must be aligned, C-contiguous and on the parameters' device."
                 )
 
-    def _host_step(self, grads: list[np.ndarray], stats: GradientStats | None) -> None:
+    def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
         """Compute the step into new arrays, then write the parameters and swap the new state in."""
-        source = stats.source if stats is not None and isinstance(stats.source, np.ndarray) else None
         skip = bool(source["skip"]) if source is not None else False
         factor = np.float32(source["factor"]) if source is not None else np.float32(1.0)
         self._refuse_shared(grads)
         record = self._record.copy()
         self._begin(record, skip, factor)
-        applied = self._applied_with(stats)
         if skip:
-            self._record, self._applied = record, applied  # a skipped step changes nothing else
+            self._record = record  # a skipped step changes nothing else
             return
         masters = list(self._masters)
         buffers = {name: list(arrays) for name, arrays in self._buffers.items()}
@@ -382,7 +358,7 @@ class _FusedOptimizer:
         self._torn = "a step was interrupted while it wrote the parameters"
         for p, value in zip(self._params, values):
             p[...] = value
-        self._record, self._masters, self._buffers, self._torn, self._applied = record, masters, buffers, None, applied
+        self._record, self._masters, self._buffers, self._torn = record, masters, buffers, None
 
     def _tables_for(self, grads: list[Any]) -> Any:
         """Return the device tables for these gradient buffers, built when their addresses change."""

@@ -578,24 +578,25 @@ def test_steps_on_a_new_stream_each_time_see_the_last_steps_scale() -> None:
 
 
 class GarbageVote:
-    """A device vote that writes what it is told into the agreed flag."""
+    """A communicator whose all-reduce writes ``count`` as the count of overflowed ranks, whatever was voted."""
 
-    def __init__(self, agreed: int) -> None:
-        self.agreed = agreed
+    def __init__(self, count: float) -> None:
+        self.count = count
 
-    def reduce_max(self, flags: object, stream: object) -> None:
-        flags[1:2] = self.agreed  # type: ignore[index]
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        if stream is None:  # a host pair: the join of a call refused before its launch
+            values[0] = self.count
+        else:
+            with stream:
+                values[0:1].fill(self.count)
 
-    def host_vote(self, local_overflow: bool) -> bool:
-        return local_overflow
 
-
-def test_a_device_vote_that_is_no_maximum_is_a_communicator_error() -> None:
+def test_a_device_count_below_this_ranks_own_overflow_is_a_communicator_error() -> None:
     grads = [cupy.ones(10, cupy.float32)]
     grads[0][3] = cupy.inf
     scaler = GradScaler(init_scale=2.0, comm=GarbageVote(0))  # "nobody overflowed", against this rank's inf
     open_step(scaler, cupy)
-    with pytest.raises(CommunicatorError, match="no maximum of the ranks"):
+    with pytest.raises(CommunicatorError, match="impossible"):
         scaler.unscale_and_check(grads)
     assert scaler.had_overflow() is True
     honest = GradScaler(init_scale=2.0, comm=GarbageVote(0))
@@ -619,14 +620,14 @@ def test_with_a_communicator_gradients_on_two_devices_are_refused_before_any_lau
     votes: list[bool] = []
 
     class CountingVote(GarbageVote):
-        def host_vote(self, local_overflow: bool) -> bool:
-            votes.append(local_overflow)
-            return True
+        def reduce_sum(self, values: Any, stream: Any) -> None:
+            votes.append(float(values[0]))
+            values[0] = 1.0
 
     scaler = open_step(GradScaler(init_scale=2.0, comm=CountingVote(0)), cupy)
     with pytest.raises(GradientValueError, match="one device"):
         scaler.unscale_and_check(grads)
-    assert votes == [True]  # voted "overflow" once, from the host
+    assert votes == [1.0]  # joined once as an overflowed rank, from the host
     assert [float(g[0]) for g in grads] == [8.0, 8.0]
 
 

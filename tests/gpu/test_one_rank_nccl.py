@@ -1,7 +1,7 @@
 """The real NCCL path on one GPU: the multi-GPU scenarios run as a world of one rank.
 
 With one rank every all-reduce returns this rank's own values, so the answers are known: what this
-exercises is the code between the scaler and NCCL (NcclVote over a bare NcclCommunicator and over
+exercises is the code between the scaler and NCCL (NcclAllReduce over a bare NcclCommunicator and over
 cupyx's NCCLBackend, the flags and sums handed to the communicator on the step's stream, an all-reduce
 captured in a CUDA graph and replayed), which the fake communicators of the CPU tests stand in for.
 Each scenario runs in a process of its own (tests/gpu/ddp_worker.py), as on several GPUs.

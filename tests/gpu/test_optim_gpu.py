@@ -15,7 +15,7 @@ from cupy_amp.dtypes import bfloat16  # noqa: E402
 from cupy_amp.errors import CommunicatorError  # noqa: E402
 from cupy_amp.kernel_interface import STATS  # noqa: E402
 from cupy_amp.optim import SGD, AdamW  # noqa: E402
-from cupy_amp.statistics import GradientStats  # noqa: E402
+from cupy_amp.record import GradientStats, StatsRecord  # noqa: E402
 
 SCALERS = [GradScaler, SyncFreeGradScaler]
 BF16 = bfloat16()
@@ -37,11 +37,13 @@ def np_dtype(name: str) -> Any:
 
 def host_record(stats: GradientStats) -> GradientStats:
     """Copy a device record to the host, as the NumPy optimizer reads it: the same factor and skip flag."""
-    memory = cupy.cuda.UnownedMemory(stats.source, STATS.itemsize, None)
+    memory = cupy.cuda.UnownedMemory(stats.record.source, STATS.itemsize, None)
     raw = cupy.ndarray(STATS.itemsize, cupy.uint8, cupy.cuda.MemoryPointer(memory, 0)).get()
     record = np.frombuffer(raw.tobytes(), dtype=STATS).reshape(()).copy()
     finite = np.array(not record["skip"])
-    return GradientStats(record["norm"], record["clip_coefficient"], finite, record, factor=record["factor"])
+    owner = StatsRecord(record, -1)
+    owner.completed(stats.step)
+    return GradientStats(record["norm"], record["clip_coefficient"], record["factor"], finite, owner, stats.step)
 
 
 def gradients(rng: np.random.Generator, dtype: str, scale: float) -> list[np.ndarray]:
@@ -96,7 +98,7 @@ def test_check_finds_every_nonfinite_gradient_and_reports_the_step_skipped(scale
     assert not bool(stats.finite)
     assert scaler.had_overflow()
     assert sorted(scaler.nonfinite_gradients()) == [3, 8, 10]
-    assert host_record(stats).source["skip"] == 1
+    assert host_record(stats).record.source["skip"] == 1
     scaler.update()
     assert scaler.stats().skipped_steps == 1
 
@@ -283,12 +285,6 @@ class OtherRanks:
     def __init__(self, overflowed: float, sum_of_squares: float) -> None:
         self.others = (overflowed, sum_of_squares)
         self.calls = 0
-
-    def reduce_max(self, flags: Any, stream: Any) -> None:
-        raise AssertionError("check() must not take a maximum")
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        raise AssertionError("check() must not take a host maximum")
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         self.calls += 1

@@ -266,28 +266,30 @@ def test_writing_into_the_verdict_does_not_change_the_rule() -> None:
 
 
 class DeviceVote:
-    """A vote whose reduction writes ``answer`` (on the stream) instead of the MAX over the ranks."""
+    """A communicator whose all-reduce writes ``answer`` (on the stream) as the count instead of the sum."""
 
-    def __init__(self, answer: int) -> None:
+    def __init__(self, answer: float) -> None:
         self.answer = answer
 
-    def reduce_max(self, flags: Any, stream: Any) -> None:
+    def reduce_sum(self, values: Any, stream: Any) -> None:
+        assert stream is not None, "a sync-free step sums on the device"
         with stream:
-            flags[1:2].fill(self.answer)
-
-    def host_vote(self, local_overflow: bool) -> bool:
-        raise AssertionError("a sync-free step votes on the device")
+            values[0:1].fill(self.answer)
 
 
-@pytest.mark.parametrize(("answer", "poisoned"), [(7, False), (0, True), (-1, False)], ids=["7", "min", "negative"])
-def test_an_answer_that_is_no_maximum_counts_as_an_overflow_and_is_reported(answer: int, poisoned: bool) -> None:
+@pytest.mark.parametrize(
+    ("answer", "own_inf"),
+    [(0.5, False), (0.0, True), (-1.0, False), (float("nan"), False), (2.0**42, False)],
+    ids=["fraction", "below-own", "negative", "nan", "huge"],
+)
+def test_a_count_no_ranks_can_add_up_to_counts_as_an_overflow_and_is_reported(answer: float, own_inf: bool) -> None:
     scaler = SyncFreeGradScaler(init_scale=8.0, comm=DeviceVote(answer))
     grad = cupy.ones(2, cupy.float32)
-    if poisoned:
-        grad[0] = cupy.inf  # this rank's own overflow, which a MIN reduction would hide
+    if own_inf:
+        grad[0] = cupy.inf  # this rank's own overflow, which the answer says nobody had
     assert not bool(open_step(scaler, cupy).unscale_and_check([grad]))
     scaler.update()
-    with pytest.raises(CommunicatorError, match="no maximum"):
+    with pytest.raises(CommunicatorError, match="impossible"):
         scaler.stats()
     stats = scaler.stats()  # reported once
     assert stats.skipped_steps == 1 and stats.scale == 4.0
