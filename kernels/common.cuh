@@ -98,7 +98,7 @@ struct StateArgs {
 };
 
 constexpr double kPoison = 1099511627776.0;  // 2**40, cupy_amp.distributed.POISON: POISON plus a count of ranks is
-                                            // a poisoned vote; beyond 2 * POISON (inf...) it is garbage
+                                             // a poisoned vote; beyond 2 * POISON (inf...) it is garbage
 
 // The verdict of an all-reduced count of overflowed ranks (cupy_amp.distributed.count_verdict), into the State:
 // whether any rank overflowed, this rank's own flag included; a poisoned count; an impossible one (counted

@@ -19,7 +19,7 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
     reinterpret_cast<Stats*>(s->stats)->skip = 1;  // the step closes: no optimizer may apply its record again
-    if (s->updated_epoch == s->epoch) return;  // a retried update (after an interrupt) applies the rule once
+    if (s->updated_epoch == s->epoch) return;      // a retried update (after an interrupt) applies the rule once
     s->updated_epoch = s->epoch;
     const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
     const float old = s->scale;

@@ -63,15 +63,20 @@ class FakeWorld:
 class FakeVote:
     """One rank's :class:`~cupy_amp.distributed.Communicator` over a :class:`FakeWorld`."""
 
-    def __init__(self, world: FakeWorld, rank: int) -> None:
+    def __init__(self, world: FakeWorld, rank: int, interrupt_at: int = 0) -> None:
         self.world = world
         self.rank = rank
+        self.interrupt_at = interrupt_at  # raise KeyboardInterrupt as this all-reduce (1, 2, ...) returns
+        self.calls = 0
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         """Replace the float64 pair ``values`` by its sum over all ranks (``stream`` is ignored)."""
         if not isinstance(values, np.ndarray) or values.dtype != np.float64 or values.shape != (2,):
             raise TypeError(f"reduce_sum expected a NumPy float64 array of shape (2,), got {values!r}.")
         values[...] = self.world.sum_over_ranks(self.rank, values)
+        self.calls += 1
+        if self.calls == self.interrupt_at:
+            raise KeyboardInterrupt  # a Ctrl-C delivered as the collective returns, where a rank waits longest
 
 
 def run_ranks(world: FakeWorld, body: Callable[[FakeWorld, int], T], join_timeout: float = 30.0) -> list[T]:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from cupy_amp import GradScaler, SyncFreeGradScaler
+from cupy_amp import GradScaler, RanksMayDisagreeError, SyncFreeGradScaler
 
 __all__ = [
     "FACES",
@@ -20,6 +20,7 @@ __all__ = [
     "bits",
     "capture",
     "open_step",
+    "refuses_every_call",
     "saved_arrays",
     "saved_file",
 ]
@@ -115,3 +116,30 @@ def capture(stream: Any, step: Any) -> Any:
     finally:
         graph = stream.end_capture()
     return graph
+
+
+def refuses_every_call(scaler: Any, optimizer: Any = None, xp: Any = np) -> None:
+    """Assert that every public call of a poisoned scaler raises RanksMayDisagreeError and changes nothing.
+
+    ``optimizer`` (over a float32 parameter of 3 elements and one of 2) adds ``scaler.step``; ``xp`` is the
+    array module of the gradients (NumPy or CuPy).
+    """
+    loss = np.ones((), np.float32)
+    grads = [xp.ones(2, xp.float32)]
+    calls = [
+        scaler.stats,
+        scaler.scale_factor,
+        scaler.had_overflow,
+        scaler.update,
+        scaler.checkpoint,
+        lambda: scaler.scale_loss(loss),
+        lambda: scaler.unscale_and_check(grads),
+        lambda: scaler.check(grads),
+        lambda: scaler.load_checkpoint(type(scaler)().checkpoint()),
+    ]
+    if optimizer is not None:
+        calls.append(lambda: scaler.step(optimizer, [xp.ones(3, xp.float32), xp.ones(2, xp.float32)]))
+    for call in calls:
+        with pytest.raises(RanksMayDisagreeError):
+            call()
+    assert float(loss) == 1.0 and xp.all(grads[0] == 1)

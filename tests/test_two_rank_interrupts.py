@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
+from helpers import refuses_every_call
 from interrupts import interrupted
 
 from cupy_amp import GradScaler, RanksMayDisagreeError, SyncFreeGradScaler
@@ -55,27 +56,6 @@ def base_gradients(rank: int, step: int, inf_rank: int | None) -> list[np.ndarra
     if step == 1 and inf_rank == rank:
         grads[0][1] = np.inf
     return grads
-
-
-def refused_everywhere(scaler: Any, optimizer: Any) -> None:
-    """Assert that every public call of a poisoned scaler raises the one error."""
-    loss = np.ones((), np.float32)
-    calls: list[Callable[[], Any]] = [
-        scaler.stats,
-        scaler.scale_factor,
-        scaler.had_overflow,
-        scaler.update,
-        scaler.checkpoint,
-        lambda: scaler.scale_loss(loss),
-        lambda: scaler.unscale_and_check([np.ones(2, np.float32)]),
-        lambda: scaler.check([np.ones(2, np.float32)]),
-        lambda: scaler.step(optimizer, [np.ones(3, np.float32), np.ones(2, np.float32)]),
-        lambda: scaler.load_checkpoint(scaler.__class__().checkpoint()),
-    ]
-    for call in calls:
-        with pytest.raises(RanksMayDisagreeError):
-            call()
-    assert float(loss) == 1.0
 
 
 class Rank:
@@ -145,7 +125,7 @@ class Rank:
         try:
             return self.train(saved)
         except RanksMayDisagreeError:
-            refused_everywhere(self.scaler, self.optimizer)
+            refuses_every_call(self.scaler, self.optimizer)
             return {"refused": True, "reached": self.reached}
 
 
