@@ -127,14 +127,15 @@ def communicator_for(comm: Any) -> Communicator | None:
 
 
 # Why a scaler was poisoned: its own call was interrupted inside the all-reduce; its own call failed after the
-# ranks agreed to apply the step; another rank's poisoned vote arrived.
+# all-reduce answered, where the other ranks may apply the step; another rank's poisoned vote arrived.
 INSIDE, AFTER, OTHERS = "inside", "after", "others"
 
 _POISON_CAUSES = {
     INSIDE: "A gradient call on this rank was interrupted inside its all-reduce (or the communicator failed there)",
     AFTER: (
-        "A call on this rank failed after the ranks agreed to apply the step, before this rank's caller got the "
-        "go-ahead (or while its optimizers applied it), so the other ranks apply a step this one may not"
+        "A call on this rank failed after its all-reduce answered: the other ranks may apply a step that this "
+        "one did not (its caller never got the go-ahead, its optimizers were stopped part way, or it could not "
+        "finish the step from the answer)"
     ),
     OTHERS: "Another rank's gradient call failed where the ranks may disagree (its poisoned vote arrived here)",
 }

@@ -364,7 +364,7 @@ class Step:
                 self.poison(refused)
             return False  # the answer was refused alike on every rank: an overflow, accounted for by the caller
         except BaseException:
-            self.poison(poisoned_error(INSIDE))
+            self.poison(poisoned_error(AFTER))  # the others finish the step from the answer; this rank cannot
             return True
         if verdict.poisoned:
             self.poison(poisoned_error(OTHERS))

@@ -10,7 +10,7 @@ from helpers import assert_same_bits, capture, open_step
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
+from cupy_amp import GradScaler, RanksMayDisagreeError, SyncFreeGradScaler  # noqa: E402
 from cupy_amp.dtypes import bfloat16  # noqa: E402
 from cupy_amp.errors import CommunicatorError  # noqa: E402
 from cupy_amp.kernel_interface import STATS  # noqa: E402
@@ -285,9 +285,15 @@ class OtherRanks:
     def __init__(self, overflowed: float, sum_of_squares: float) -> None:
         self.others = (overflowed, sum_of_squares)
         self.calls = 0
+        self.sent: list[float] = []  # the count this rank sent to each all-reduce
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         self.calls += 1
+        if stream is None:  # a host pair (the poisoned vote, a join after a failure): summed at once
+            self.sent.append(float(values[0]))
+            values += np.array(self.others, dtype=np.float64)
+            return
+        self.sent.append(float(cupy.asnumpy(values[0])))
         with stream:
             values += cupy.asarray(np.array(self.others, dtype=np.float64))
 
@@ -385,7 +391,12 @@ def test_an_optimizer_step_on_another_stream_waits_for_the_check_it_reads() -> N
     assert cupy.asnumpy(weights[0]).tolist() == [-1.0] * 1000
 
 
-def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_finish_that_fails_after_the_all_reduce_sends_the_poison_instead_of_a_second_vote(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The all-reduce answered "all finite": the other ranks finish and apply the step. This rank's finish
+    fails, so it cannot: it must neither vote again (that vote would pair with the others' next one) nor go
+    on as if it had overflowed alone. It sends the poisoned vote once and refuses every later call."""
     from cupy_amp import device_stats
 
     grads = [cupy.ones(100, cupy.float32)]
@@ -399,8 +410,9 @@ def test_a_finish_that_fails_after_the_all_reduce_never_all_reduces_again(monkey
     monkeypatch.setattr(device_stats.DeviceStatsRecord, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
-    assert others.calls == 1  # joined once: a second all-reduce would pair with the other ranks' next one
-    assert scaler.had_overflow()
+    assert others.sent == [0.0, 2.0**40]  # the vote, then the poisoned vote: never a second vote
+    with pytest.raises(RanksMayDisagreeError):
+        scaler.had_overflow()
 
 
 def test_the_clip_coefficient_has_the_same_bits_on_the_gpu_and_the_host() -> None:
