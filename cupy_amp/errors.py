@@ -58,9 +58,9 @@ class RanksMayDisagreeError(CommunicatorError):
     """A rank cannot know what the others decided: every later call of the scaler, on every rank, refuses.
 
     Raised when a call on this rank was interrupted inside its all-reduce, or failed after the all-reduce
-    answered, where the other ranks may apply a step this one did not (``own``), or when an all-reduce answered the poisoned vote such a rank sends (another
-    rank's). The ranks' scales, verdicts and weights may differ: restore every rank from the last checkpoint,
-    with new scalers and a new communicator.
+    answered, where the other ranks may apply a step this one did not (``own``); or when an all-reduce
+    answered the poisoned vote such a rank sends (another rank's). The ranks' scales, verdicts and weights
+    may differ: restore every rank from the last checkpoint, with new scalers and a new communicator.
 
     Attributes:
         own: Whether this rank's own call caused it (this rank then sent the poisoned vote).

@@ -254,7 +254,7 @@ class HostState:
         ``update()`` changes nothing more."""
         self.stats.record.closed()
         self.skip_statistics()
-        if self._updated != self._epoch:
+        if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing
             after = next_state(self._config, self._state, not bool(self._finite), self._found)
             self._state, self._updated = after, self._epoch
 

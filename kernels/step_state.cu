@@ -20,6 +20,7 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
 __device__ void update_state(State* s) {
     reinterpret_cast<Stats*>(s->stats)->skip = 1;  // the step closes: no optimizer may apply its record again
     if (s->updated_epoch == s->epoch) return;      // a retried update (after an interrupt) applies the rule once
+    if (s->poisoned != 0) return;                  // the ranks may disagree (a replayed graph): decide nothing more
     s->updated_epoch = s->epoch;
     const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
     const float old = s->scale;

@@ -41,6 +41,9 @@ def train(rank: int, world: int, port: int, steps: int, out: Path) -> None:
     w2 = cupy.asarray(init.standard_normal((128, 1)).astype(np.float32) * 0.1)
     data = np.random.default_rng(1 + rank)  # each rank its own shard
     injections = np.random.default_rng(99)  # the same injection schedule everywhere
+    # One communicator for the gradients and the scaler keeps the example short, and is sound while no call
+    # fails. A training run should give the scaler one of its own (README, Multi-GPU): a rank that cannot
+    # know the step's outcome sends a poisoned vote, which must meet the scaler's all-reduce, not yours.
     scaler = GradScaler(init_scale=2.0**16, growth_interval=25, comm=comm)
     trajectory = []
     for step in range(steps):

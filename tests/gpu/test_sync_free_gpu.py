@@ -17,6 +17,7 @@ from cupy_amp import (  # noqa: E402
     GradientSet,
     GradientTypeError,
     GradScaler,
+    RanksMayDisagreeError,
     ScalerProtocolError,
     SyncFreeGradScaler,
 )
@@ -293,6 +294,23 @@ def test_a_count_no_ranks_can_add_up_to_counts_as_an_overflow_and_is_reported(an
         scaler.stats()
     stats = scaler.stats()  # reported once
     assert stats.skipped_steps == 1 and stats.scale == 4.0
+
+
+def test_a_poisoned_count_freezes_the_device_state_and_the_next_read_refuses() -> None:
+    """A replayed graph's all-reduce can bring another rank's poisoned vote with no Python in between: the
+    device skips the step and decides nothing more (no backoff, no counters), and the host refuses from its
+    next read on."""
+    scaler = SyncFreeGradScaler(init_scale=8.0, growth_interval=1, comm=DeviceVote(2.0**40))
+    grads = [cupy.ones(2, cupy.float32)]
+    verdict = open_step(scaler, cupy).unscale_and_check(grads)
+    scaler.update()  # queued: the host has not read the state
+    assert not bool(verdict)
+    state = scaler._state.snapshot()[0]
+    assert (state.scale, state.steps, state.skipped_steps, state.backoffs) == (8.0, 0, 0, 0)
+    with pytest.raises(RanksMayDisagreeError):
+        scaler.stats()
+    with pytest.raises(RanksMayDisagreeError):
+        open_step(scaler, cupy)
 
 
 def test_float64_gradients_and_losses_keep_subnormal_factors() -> None:
