@@ -7,7 +7,8 @@ from collections.abc import Hashable
 from typing import NamedTuple
 
 from cupy_amp.errors import DuplicateGradientError
-from cupy_amp.gradients import Call, Footprint, describe, shares_memory
+from cupy_amp.gradients import describe, shares_memory
+from cupy_amp.state import Call, Footprint
 
 __all__ = ["StepClaims"]
 

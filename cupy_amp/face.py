@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import Communicator
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
-from cupy_amp.gradients import Call, CallCache, parse_gradients, parse_loss
+from cupy_amp.gradient_call import check_call
+from cupy_amp.gradients import CallCache, parse_gradients, parse_loss
 from cupy_amp.record import GradientStats
 from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
-from cupy_amp.state import State
+from cupy_amp.state import Call, State
+from cupy_amp.state_set import StateSet
 from cupy_amp.statistics import GradientNumerics, expect_max_norm
-from cupy_amp.step import INSPECTED, StateSet, Step, check_call
+from cupy_amp.step import INSPECTED, Step
 
 __all__ = ["Face", "NumericsSource"]
 

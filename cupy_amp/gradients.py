@@ -15,68 +15,23 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Hashable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp import numpy_backend
 from cupy_amp.dtypes import bfloat16, dtype_name, is_bfloat16
 from cupy_amp.errors import DuplicateGradientError, GradientTypeError, GradientValueError, ScalerProtocolError
-
-if TYPE_CHECKING:
-    from cupy_amp.state import Backend
+from cupy_amp.state import Backend, Call, Footprint
 
 __all__ = [
-    "Call",
     "CallCache",
-    "Footprint",
     "GradientSet",
     "describe",
     "parse_gradients",
     "parse_loss",
     "shares_memory",
 ]
-
-
-class Footprint(NamedTuple):
-    """The memory one array may write: its element layout at an address, on a device (-1: the host).
-
-    Addresses are compared across devices as they are: with CUDA's unified
-    addressing, host and device memory never share an address.
-    """
-
-    start: int
-    stop: int
-    address: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]
-    itemsize: int
-    device: int
-
-
-class Call(NamedTuple):
-    """One validated ``unscale_and_check`` argument: what a backend needs to run it.
-
-    Attributes:
-        labels: For each array, its position in the argument (an int) or its key in a mapping.
-        arrays: The arrays, in argument order, ``None`` entries left out.
-        backend: The module that runs them (None when there are none).
-        footprints: For each array, the memory it spans.
-        plan: What the backend prepared for these arrays (CuPy: device tables), or None.
-        cacheable: The arrays' layouts cannot change behind the same objects, so the call
-            may be reused when the same objects come back.
-        bfloat16: Some array is bfloat16 (read by ``check()``, never unscaled in place).
-        devices: The devices the arrays are on, sorted (-1: the host).
-    """
-
-    labels: tuple[Hashable, ...]
-    arrays: tuple[Any, ...]
-    backend: Backend | None
-    footprints: tuple[Footprint, ...]
-    plan: Any
-    cacheable: bool
-    bfloat16: bool = False
-    devices: tuple[int, ...] = ()
 
 
 def describe(label: Hashable) -> str:

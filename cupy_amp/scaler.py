@@ -10,10 +10,12 @@ from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ConfigError
 from cupy_amp.face import Face
-from cupy_amp.gradients import Call, CallCache, parse_gradients
+from cupy_amp.gradient_call import GradientScope, unscale_call
+from cupy_amp.gradients import CallCache, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
-from cupy_amp.state import Snapshot, State
-from cupy_amp.step import INSPECTED, UNSCALED, GradientScope, StateSet, Step, unscale_call
+from cupy_amp.state import Call, Snapshot, State
+from cupy_amp.state_set import StateSet
+from cupy_amp.step import INSPECTED, UNSCALED, Step
 
 __all__ = ["GradScaler"]
 

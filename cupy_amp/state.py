@@ -1,4 +1,5 @@
-"""A scaler's state where its arrays are, and the backends that hold it: the State and Backend protocols.
+"""A scaler's state where its arrays are, and the backends that hold it: the State and Backend protocols, and
+the validated call (:class:`Call`, its arrays' :class:`Footprint`) they run.
 
 Two implementations follow :class:`State`: :class:`cupy_amp.numpy_backend.HostState`
 (NumPy, the reference numerics) and :class:`cupy_amp.cupy_backend.DeviceState`
@@ -11,17 +12,57 @@ follow :class:`Backend` (mypy checks each module against it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from cupy_amp.ballot import Ballot
 from cupy_amp.rule import ScalerConfig, ScalerState
 
 if TYPE_CHECKING:
-    from cupy_amp.gradients import Call
     from cupy_amp.statistics import Numerics
-    from cupy_amp.step import Ballot
 
-__all__ = ["Backend", "Snapshot", "State", "Verdict"]
+__all__ = ["Backend", "Call", "Footprint", "Snapshot", "State", "Verdict"]
+
+
+class Footprint(NamedTuple):
+    """The memory one array may write: its element layout at an address, on a device (-1: the host).
+
+    Addresses are compared across devices as they are: with CUDA's unified
+    addressing, host and device memory never share an address.
+    """
+
+    start: int
+    stop: int
+    address: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+    itemsize: int
+    device: int
+
+
+class Call(NamedTuple):
+    """One validated ``unscale_and_check`` argument: what a backend needs to run it.
+
+    Attributes:
+        labels: For each array, its position in the argument (an int) or its key in a mapping.
+        arrays: The arrays, in argument order, ``None`` entries left out.
+        backend: The module that runs them (None when there are none).
+        footprints: For each array, the memory it spans.
+        plan: What the backend prepared for these arrays (CuPy: device tables), or None.
+        cacheable: The arrays' layouts cannot change behind the same objects, so the call
+            may be reused when the same objects come back.
+        bfloat16: Some array is bfloat16 (read by ``check()``, never unscaled in place).
+        devices: The devices the arrays are on, sorted (-1: the host).
+    """
+
+    labels: tuple[Hashable, ...]
+    arrays: tuple[Any, ...]
+    backend: Backend | None
+    footprints: tuple[Footprint, ...]
+    plan: Any
+    cacheable: bool
+    bfloat16: bool = False
+    devices: tuple[int, ...] = ()
 
 
 class Verdict(NamedTuple):

@@ -23,46 +23,25 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Hashable, Iterator
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from cupy_amp import numpy_backend
+from cupy_amp.ballot import JOINED, JOINING, NOT_JOINED, Ballot
 from cupy_amp.claims import StepClaims
 from cupy_amp.distributed import AFTER, INSIDE, OTHERS, Communicator, log_failed_join, poisoned_error, send_poison
 from cupy_amp.errors import (
-    CommunicatorError,
     ConfigError,
     CupyAmpError,
-    GradientTypeError,
-    GradientValueError,
     RanksMayDisagreeError,
     ScalerProtocolError,
 )
-from cupy_amp.gradients import Call
-from cupy_amp.rule import ScalerConfig, ScalerState
-from cupy_amp.state import Backend, Snapshot, State
+from cupy_amp.gradient_call import GradientScope
+from cupy_amp.rule import ScalerConfig
+from cupy_amp.state import Call, State
+from cupy_amp.state_set import StateSet
 
-__all__ = [
-    "IDLE",
-    "INSPECTED",
-    "JOINED",
-    "JOINING",
-    "NOT_JOINED",
-    "SCALED",
-    "UNSCALED",
-    "Ballot",
-    "CallRecord",
-    "GradientScope",
-    "StateSet",
-    "Step",
-    "check_call",
-    "scale_fixed_at_one",
-    "unscale_call",
-    "where",
-]
-
-T = TypeVar("T")
+__all__ = ["IDLE", "INSPECTED", "SCALED", "UNSCALED", "CallRecord", "Step", "scale_fixed_at_one"]
 
 # Where a step stands: none open; the loss was scaled; gradients were unscaled; gradients were inspected by
 # check() (read, not written: the fused optimizers unscale them). update() follows either of the last two.
@@ -81,40 +60,6 @@ class CallRecord(NamedTuple):
     plan: Any  # the call's device tables, where the per-gradient flags are
     state: State | None  # where its verdict is
     culprits: tuple[int, ...] | None  # positions known on the host; None: read from the state when asked
-
-
-# Where a call stands with the collective: not joined yet; inside the communicator; it returned.
-NOT_JOINED, JOINING, JOINED = "not joined", "joining", "joined"
-
-
-class Ballot:
-    """One gradient call's part in the collective: joined at most once, and its outcome never guessed.
-
-    The stage is stored before the communicator is called and after it
-    returns, so no exception, wherever it arrives, can lead the call to join a
-    second collective. A call that fails while JOINING (an interrupt, or the
-    communicator raising: NCCL's rule is that a communicator that failed inside
-    a collective is not reused) cannot know whether it took part nor what the
-    others decided: the step machine then poisons the scaler (:meth:`Step.poison`).
-    """
-
-    __slots__ = ("communicator", "stage")
-
-    def __init__(self, communicator: Communicator | None) -> None:
-        self.communicator = communicator
-        self.stage = NOT_JOINED
-
-    def sum(self, values: Any, stream: Any) -> None:
-        """Join the call's one collective: sum ``values`` over the ranks (a device pair in ``stream`` order)."""
-        communicator = self.communicator
-        if communicator is None or self.stage != NOT_JOINED:
-            raise ScalerProtocolError("A gradient call tried to join a second collective.")  # an internal rule
-        self.stage = JOINING
-        try:
-            communicator.reduce_sum(values, stream)
-        except Exception as error:
-            raise CommunicatorError(f"The all-reduce failed: {type(error).__name__}: {error}") from error
-        self.stage = JOINED
 
 
 class Step:
@@ -465,34 +410,6 @@ class Step:
         return [record.labels[position] for record in self.records for position in read(record)]
 
 
-class GradientScope:
-    """One gradient call as far as it got, for the step machine to account for a failure.
-
-    Attributes:
-        phase: UNSCALED (``unscale_and_check``) or INSPECTED (``check``).
-        states: The face's states the call runs on.
-        ballot: The call's part in the collective.
-        call, state: The validated call and the state it runs on (set by :meth:`Step.open_call`).
-        opened: Whether the call was committed (claims taken, step opened): a failure from here counts.
-        finished: Whether the call's work after its collective (the verdict's combination) was queued.
-        recorded: Whether the call's record was kept (once, by :meth:`Step.record_call` or a failure).
-        culprits: The positions of its gradients that held inf/nan, where known on the host.
-        max_norm: ``check()``'s clip threshold (0.0: none), to finish a check from its answer.
-    """
-
-    __slots__ = (
-        "ballot", "call", "culprits", "finished", "max_norm", "opened", "phase", "recorded", "state", "states",
-    )  # fmt: skip
-
-    def __init__(self, phase: str, states: StateSet, ballot: Ballot) -> None:
-        self.phase, self.states, self.ballot = phase, states, ballot
-        self.call: Call | None = None
-        self.state: State | None = None
-        self.opened = self.finished = self.recorded = False
-        self.culprits: tuple[int, ...] | None = ()
-        self.max_norm = 0.0
-
-
 def scale_fixed_at_one(config: ScalerConfig) -> bool:
     """Return whether ``config`` fixes the scale at 1, so that a step needs no ``scale_loss``.
 
@@ -502,152 +419,3 @@ def scale_fixed_at_one(config: ScalerConfig) -> bool:
     Reads the configuration only (never the state, which may be on a device).
     """
     return config.min_scale == 1.0 and config.max_scale == 1.0
-
-
-def where(device: int) -> str:
-    """Say where a state lives, for messages."""
-    return "on the host" if device < 0 else f"on device {device}"
-
-
-class StateSet:
-    """The states one face keeps, by device, and what a step does to all of them.
-
-    Before any array arrives, a host state stands for the scaler (and takes
-    calls without arrays). With ``one_device`` (the sync-free face) the first
-    arrays fix where the state lives, once and for all.
-    """
-
-    def __init__(self, config: ScalerConfig, state: ScalerState, *, one_device: bool, counts: bool = True) -> None:
-        self.config = config
-        self.counts = counts  # False for a disabled scaler's guard: its steps change nothing the user sees
-        self.one_device = one_device
-        self.default: State = numpy_backend.HostState(config, state, False, False, 0)
-        self.states: dict[int, State] = {}
-        self._backend: Backend | None = None
-        # What the host knows of the open (or last) step: (any overflow, this rank's own), and the same verdict
-        # as a 0-d bool array for the synchronous face's statistics. That face keeps both from its reads and
-        # from failures; the sync-free face reads its state instead.
-        self.verdict = (False, False)
-        self.finite = np.ones((), dtype=np.bool_)
-
-    def all(self) -> list[State]:
-        """Every state, the default one first when no array has placed one yet."""
-        return list(self.states.values()) if self.states else [self.default]
-
-    def place(self, backend: Backend | None, device: int, current: Callable[[], Snapshot], step_open: bool) -> State:
-        """Return the state for arrays of ``backend`` on ``device``, placing one there from ``current()`` if none is.
-
-        ``backend`` None (a call without arrays) takes the first state.
-
-        Raises:
-            GradientTypeError: A one-device set whose state is of the other kind of array.
-            GradientValueError: A one-device set whose state is on another device.
-            ScalerProtocolError: The state would move to the GPU in the middle of a step.
-        """
-        if backend is None:
-            return self.all()[0]
-        state = self.states.get(device)
-        if state is not None:
-            return state
-        if self.one_device and self._backend is not None:
-            if backend is not self._backend:
-                raise GradientTypeError(
-                    f"This scaler's state is {where(self.all()[0].device)}, so it takes {self._backend.NAME} "
-                    f"arrays; got {backend.NAME} arrays. Use one scaler per kind of array."
-                )
-            raise GradientValueError(
-                f"This scaler's state is {where(self.all()[0].device)}; got arrays on device {device}. A sync-free "
-                f"scaler works on one device (one scaler per device, with a communicator across them)."
-            )
-        if self.one_device and step_open and device >= 0:
-            raise ScalerProtocolError(
-                "This step's first gradient call had no arrays, so its verdict lives on the host; the state cannot "
-                "move to the GPU in the middle of the step. Pass the GPU arrays (or call prepare(gradients)) before "
-                "the step's first gradient call."
-            )
-        if device < 0:
-            state = self.default
-            state.restore(self.config, *current())
-        else:
-            backend.refuse_capture("the scaler's state is first placed on the GPU")
-            state = backend.new_state(device, self.config, *current())
-            if step_open:
-                state.begin_step()
-        self._backend, self.states = backend, {**self.states, device: state}  # one commit
-        return state
-
-    def begin(self) -> None:
-        """Begin a step on every state: a new epoch, flags that say "finite"."""
-        self.verdict = (False, False)
-        self.finite[()] = True
-        for state in self.all():
-            state.begin_step()
-
-    def found(self, overflow: bool, local: bool) -> None:
-        """Add what a read of the open step's verdict found."""
-        self.verdict = (self.verdict[0] or overflow, self.verdict[1] or local)
-        self.finite[()] = not self.verdict[0]
-
-    def mark_overflow(self, state: State | None) -> None:
-        """Count the open step as this rank's overflow on ``state`` (on the first state when not known)."""
-        self.found(True, True)
-        (state or self.all()[0]).mark_overflow()
-
-    def skip_all(self) -> None:
-        """Make every statistics record say "skip", so that no optimizer applies the step."""
-        self.finite[()] = False
-        for state in self.all():
-            state.skip_statistics()  # on the GPU: after the state's last work, on its device
-
-    def close(self) -> None:
-        """Close the step on every state without the rule (a disabled scaler's guard): its records say "skip"."""
-        for state in self.all():
-            state.stats.record.closed()
-            state.skip_statistics()
-
-    def update(self, after: ScalerState) -> None:
-        """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).
-
-        One state updates itself on its device. Several (gradients on several
-        devices in one process) each saw only their own arrays, so they are
-        set to ``after`` instead (synchronizes).
-        """
-        if len(self.states) <= 1:
-            self.all()[0].update()
-        else:
-            self.restore(self.config, after, *self.verdict)
-
-    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool) -> None:
-        """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch."""
-        for placed in self.all():
-            placed.restore(config, state, overflow, local, placed.snapshot()[3])
-        self.config = config
-        self.verdict = (overflow, local)
-        self.finite[()] = not overflow
-
-
-def unscale_call(call: Call, state: State, scope: GradientScope) -> tuple[int, ...] | None:
-    """Queue the unscale of a committed call, then (with a communicator) its vote and the verdict's combination."""
-    culprits = state.unscale(call) if call.backend is not None else ()
-    if scope.ballot.communicator is not None:
-        state.vote(scope.ballot)
-        state.finish_vote(False, 0.0)
-    scope.finished = True
-    return culprits
-
-
-def check_call(call: Call, state: State, scope: GradientScope, report: bool = False) -> tuple[int, ...] | None:
-    """Queue the statistics pass of a committed call, then (with a communicator) the all-reduce of its sums and
-    the finish.
-
-    A call without arrays (a rank without gradients) runs the pass too, over nothing: its record, and the
-    pair a communicator sums, then hold this step's own values (no overflow, sum 0), not what the last
-    step's all-reduce left there (the other ranks' sums and overflow count).
-    """
-    voting = scope.ballot.communicator is not None
-    culprits = state.check(call, scope.max_norm, voting, report)
-    if voting:
-        state.vote_sums(scope.ballot)
-        state.finish_vote(True, scope.max_norm)
-    scope.finished = True
-    return culprits

@@ -12,10 +12,12 @@ from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ArgumentTypeError, ConfigError
 from cupy_amp.face import Face
+from cupy_amp.gradient_call import unscale_call
 from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.step import INSPECTED, UNSCALED, CallRecord, StateSet, Step, unscale_call, where
+from cupy_amp.state_set import StateSet, where
+from cupy_amp.step import INSPECTED, UNSCALED, CallRecord, Step
 
 __all__ = ["SyncFreeGradScaler"]
 
