@@ -285,15 +285,15 @@ class OtherRanks:
     def __init__(self, overflowed: float, sum_of_squares: float) -> None:
         self.others = (overflowed, sum_of_squares)
         self.calls = 0
-        self.sent: list[float] = []  # the count this rank sent to each all-reduce
+        self.counts: list[float] = []  # the count this rank put into each all-reduce
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         self.calls += 1
         if stream is None:  # a host pair (the poisoned vote, a join after a failure): summed at once
-            self.sent.append(float(values[0]))
+            self.counts.append(float(values[0]))
             values += np.array(self.others, dtype=np.float64)
             return
-        self.sent.append(float(cupy.asnumpy(values[0])))
+        self.counts.append(float(values[0:1].get(stream=stream)[0]))
         with stream:
             values += cupy.asarray(np.array(self.others, dtype=np.float64))
 
@@ -410,7 +410,7 @@ def test_a_finish_that_fails_after_the_all_reduce_sends_the_poison_instead_of_a_
     monkeypatch.setattr(device_stats.DeviceStatsRecord, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
-    assert others.sent == [0.0, 2.0**40]  # the vote, then the poisoned vote: never a second vote
+    assert others.counts == [0.0, 2.0**40]  # the vote, then the poisoned vote: never a second vote
     with pytest.raises(RanksMayDisagreeError):
         scaler.had_overflow()
 
