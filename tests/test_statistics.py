@@ -616,7 +616,7 @@ def test_an_optimizer_never_reads_the_record_of_a_later_step(scaler_class: type)
     import sys
     import threading
 
-    from cupy_amp.optim import SGD, optimizers
+    from cupy_amp.optim import SGD, base
 
     scaler, weights = scaler_class(init_scale=1024.0), [np.zeros(2, np.float32)]
     optimizer = SGD(weights, lr=1.0)
@@ -626,7 +626,7 @@ def test_an_optimizer_never_reads_the_record_of_a_later_step(scaler_class: type)
     reading, resume = threading.Event(), threading.Event()
 
     def pause_before_the_read(frame: Any, event: str, arg: Any) -> Any:
-        if event == "call" and frame.f_code is optimizers._FusedOptimizer._host_step.__code__:
+        if event == "call" and frame.f_code is base.FusedOptimizer._host_step.__code__:
             reading.set()
             resume.wait(5)  # the other thread's update() waits for the scaler's lock meanwhile
         return None

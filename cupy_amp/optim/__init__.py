@@ -1,5 +1,6 @@
 """Fused optimizers that unscale, clip and skip inside their update: :class:`AdamW` and :class:`SGD`."""
 
-from cupy_amp.optim.optimizers import SGD, AdamW
+from cupy_amp.optim.adamw import AdamW
+from cupy_amp.optim.sgd import SGD
 
 __all__ = ["SGD", "AdamW"]

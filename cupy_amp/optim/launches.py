@@ -3,7 +3,7 @@
 A step is a one-thread begin kernel (it reads the statistics record of the
 scaler's ``check()`` and opens the step on the optimizer's record), then one
 launch per parameter dtype over a table of ParamChunk records
-(``kernels/optimizers.cu``). Imported by :mod:`cupy_amp.optim.optimizers`
+(``kernels/optimizers.cu``). Imported by :mod:`cupy_amp.optim.base`
 only for CuPy parameters.
 """
 

@@ -1,4 +1,6 @@
-"""AdamW and SGD, fused: one pass that unscales, clips, skips and updates, without writing the gradients.
+"""The fused optimizers' shared parts: one pass that unscales, clips, skips and updates, without writing the
+gradients. Each optimizer is a file of its own (:mod:`cupy_amp.optim.adamw`, :mod:`cupy_amp.optim.sgd`) that
+names its state file layout, its hyperparameters and its NumPy reference.
 
 Each optimizer owns its float32 state: master weights for float16/bfloat16
 parameters (written back rounded in the same pass), moments, and a small
@@ -31,10 +33,10 @@ from cupy_amp.errors import (
     GradientValueError,
     ScalerProtocolError,
 )
-from cupy_amp.optim import reference, state_file
+from cupy_amp.optim import state_file
 from cupy_amp.record import GradientStats
 
-__all__ = ["SGD", "AdamW"]
+__all__ = ["FusedOptimizer", "hyperparameter"]
 
 _PARAM_DTYPES = ("float16", "bfloat16", "float32")
 _T = TypeVar("_T")
@@ -47,7 +49,7 @@ class _Missing:
 _MISSING = _Missing()
 
 
-def _number(name: str, value: object, field: str) -> float:
+def hyperparameter(name: str, value: object, field: str) -> float:
     """Return ``value`` as a float if it lies in the state files' range for ``field``; ``name`` is the argument's."""
     ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_))
     number = float(value) if ok and state_file.finite(value) else math.nan  # type: ignore[arg-type]
@@ -57,7 +59,7 @@ def _number(name: str, value: object, field: str) -> float:
     return number
 
 
-class _FusedOptimizer:
+class FusedOptimizer:
     """What AdamW and SGD share: parameters, buffers, the record, tables, the step and state files.
 
     A step, a save and a load each happen whole or not at all, even when
@@ -181,7 +183,7 @@ class _FusedOptimizer:
 
     @lr.setter
     def lr(self, value: float) -> None:
-        lr = _number("lr", value, "lr")
+        lr = hyperparameter("lr", value, "lr")
         self._exclusive("lr", lambda: self._set_lr(lr))
 
     def _set_lr(self, lr: float) -> None:
@@ -502,96 +504,6 @@ class _FusedOptimizer:
         """
         buffers = sum(4 * p.size for p in self._params) * (1 + len(self._layout.moments))
         self.load_state_dict(state_file.read(path, buffers + (1 << 16) + 64 * len(self._params)))
-
-
-class AdamW(_FusedOptimizer):
-    """AdamW (decoupled weight decay, bias correction), fused; the update of ``torch.optim.AdamW``.
-
-    Args:
-        params: NumPy or CuPy arrays (float16, bfloat16 or float32, C-contiguous, one
-            device). float16/bfloat16 parameters get float32 master weights.
-        lr, betas, eps, weight_decay: As for ``torch.optim.AdamW`` (same defaults).
-
-    Raises:
-        ConfigError: A hyperparameter out of range (the message names it).
-    """
-
-    _layout = state_file.ADAMW
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-    ) -> None:
-        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-            raise ConfigError(f"Invalid 'betas': expected two numbers, got {betas!r}.")
-        super().__init__(
-            params,
-            {
-                "lr": _number("lr", lr, "lr"),
-                "beta1": _number("betas[0]", betas[0], "beta1"),
-                "beta2": _number("betas[1]", betas[1], "beta2"),
-                "eps": _number("eps", eps, "eps"),
-                "weight_decay": _number("weight_decay", weight_decay, "weight_decay"),
-            },
-        )
-
-    def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        reference.begin_adamw(record, skip, factor)
-
-    def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        reference.adamw_update(record, grad, weights, *moments)
-
-
-class SGD(_FusedOptimizer):
-    """SGD with momentum, dampening, Nesterov and weight decay, fused; the update of ``torch.optim.SGD``.
-
-    Args:
-        params: As for :class:`AdamW`.
-        lr, momentum, dampening, weight_decay, nesterov: As for ``torch.optim.SGD``
-            (Nesterov needs momentum > 0 and no dampening).
-
-    Raises:
-        ConfigError: A hyperparameter out of range (the message names it).
-    """
-
-    _layout = state_file.SGD
-
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        dampening: float = 0.0,
-        weight_decay: float = 0.0,
-        nesterov: bool = False,
-    ) -> None:
-        if not isinstance(nesterov, (bool, np.bool_)):
-            raise ConfigError(f"Invalid 'nesterov': expected a bool, got {nesterov!r}.")
-        hyper = {
-            "lr": _number("lr", lr, "lr"),
-            "momentum": _number("momentum", momentum, "momentum"),
-            "dampening": _number("dampening", dampening, "dampening"),
-            "weight_decay": _number("weight_decay", weight_decay, "weight_decay"),
-            "nesterov": float(bool(nesterov)),
-        }
-        problem = state_file.nesterov_problem(hyper["momentum"], hyper["dampening"]) if nesterov else None
-        if problem is not None:
-            raise ConfigError(f"Invalid 'nesterov': expected False unless {problem}, got True.")
-        self._with_momentum = hyper["momentum"] != 0.0
-        super().__init__(params, hyper)
-
-    def _has(self, buffer: str) -> bool:
-        return self._with_momentum
-
-    def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        reference.begin_sgd(record, skip, factor)
-
-    def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        reference.sgd_update(record, grad, weights, *moments)
 
 
 def _aligned(array: Any) -> bool:
