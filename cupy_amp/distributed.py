@@ -90,9 +90,9 @@ class NcclAllReduce:
         self._raw = not hasattr(comm, "all_reduce")  # NcclCommunicator spells it allReduce
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
-        import cupy
-
         if isinstance(values, np.ndarray):  # a host pair: through the device, and waited for
+            import cupy
+
             on_device = cupy.asarray(values)
             current = cupy.cuda.get_current_stream()
             self.reduce_sum(on_device, current)
