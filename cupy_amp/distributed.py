@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,10 +45,12 @@ __all__ = [
     "INSIDE",
     "OTHERS",
     "POISON",
+    "POISONED_BELOW",
     "Communicator",
     "NcclAllReduce",
     "communicator_for",
     "count_verdict",
+    "holds_poison",
     "impossible_answers",
     "log_failed_join",
     "poisoned_error",
@@ -58,11 +61,13 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 POISON = 2.0**40  # a count of overflowed ranks no world reaches: the vote of a rank that cannot know the outcome
+POISONED_BELOW = POISON * 2.0**20  # several ranks may poison one collective: up to 2**20 poisoned votes are read
 
 
 def _poisoned(count: float) -> bool:
-    """Whether an all-reduced count holds a poisoned vote: POISON plus a count of ranks (not garbage like inf)."""
-    return POISON <= count < 2.0 * POISON
+    """Whether an all-reduced count holds poisoned votes: POISON times some ranks plus a count of ranks (a
+    collective in which several ranks poisoned, too), not garbage like inf."""
+    return POISON <= count < POISONED_BELOW
 
 
 class Communicator(Protocol):
@@ -88,16 +93,20 @@ class NcclAllReduce:
     def __init__(self, comm: Any) -> None:
         self._comm = comm
         self._raw = not hasattr(comm, "all_reduce")  # NcclCommunicator spells it allReduce
+        self._device: int | None = None  # the device of the pairs summed so far: the communicator's
 
     def reduce_sum(self, values: Any, stream: Any) -> None:
         if isinstance(values, np.ndarray):  # a host pair: through the device, and waited for
             import cupy
 
-            on_device = cupy.asarray(values)
-            current = cupy.cuda.get_current_stream()
-            self.reduce_sum(on_device, current)
-            values[...] = on_device.get(stream=current)
+            # On the communicator's device, even from another thread (the poisoned vote's).
+            with cupy.cuda.Device(self._device if self._device is not None else cupy.cuda.runtime.getDevice()):
+                on_device = cupy.asarray(values)
+                current = cupy.cuda.get_current_stream()
+                self.reduce_sum(on_device, current)
+                values[...] = on_device.get(stream=current)
             return
+        self._device = int(values.device.id)
         if self._raw:
             from cupy.cuda import nccl
 
@@ -152,9 +161,29 @@ def poisoned_error(cause: str) -> RanksMayDisagreeError:
     return error
 
 
-def send_poison(communicator: Communicator) -> None:
-    """Send this rank's poisoned vote (from the host): the collective the others wait in, or their next, fails."""
-    communicator.reduce_sum(np.array([POISON, 0.0], dtype=np.float64), None)
+def holds_poison(count: float) -> bool:
+    """Whether an all-reduced count holds one or more poisoned votes."""
+    return _poisoned(count)
+
+
+def send_poison(communicator: Communicator) -> threading.Thread:
+    """Send this rank's poisoned vote from a thread of its own, and return that thread.
+
+    The vote completes the collective the other ranks wait in, or their next
+    one. The failing call does not wait for it: the others may first wait for
+    this rank in a collective of the user's (a gradient all-reduce), or never
+    reach another of the scaler's, and a rank blocked here would hang with them.
+    """
+    thread = threading.Thread(target=_send_poison, args=(communicator,), name="cupy-amp poisoned vote", daemon=True)
+    thread.start()
+    return thread
+
+
+def _send_poison(communicator: Communicator) -> None:
+    try:
+        communicator.reduce_sum(np.array([POISON, 0.0], dtype=np.float64), None)
+    except BaseException as error:  # nobody to raise to: the call that poisoned has returned
+        logger.error("cupy-amp: sending the poisoned vote failed, so the other ranks may wait for it: %s", error)
 
 
 def count_verdict(count: float, local_overflow: bool) -> bool:

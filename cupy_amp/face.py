@@ -87,9 +87,6 @@ class Face:
         """(configuration, state, enabled, the last step's overflow, this rank's own), for ``checkpoint()``."""
         raise NotImplementedError
 
-    def had_overflow(self) -> bool:
-        raise NotImplementedError  # each face has its own
-
     if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any attribute name
 
         def __getattr__(self, name: str) -> Any:
@@ -310,8 +307,12 @@ class Face:
         return stats
 
     def _step_applies(self) -> bool:
-        """Whether this step's check completed with the verdict "apply" (for a ``step()`` that failed after it)."""
-        return self._step.phase == INSPECTED and not bool(self.had_overflow())
+        """Whether this step's check completed with the verdict "apply" (for a ``step()`` that failed after it).
+
+        Read from the states the check ran on (a disabled ``GradScaler``'s own, not the last enabled step's
+        verdict); a device state's read synchronizes.
+        """
+        return self._step.phase == INSPECTED and not any(state.read().overflow for state in self._lane.all())
 
 
 def _shares(gradients: Any, count: int) -> list[Any]:

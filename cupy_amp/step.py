@@ -29,7 +29,16 @@ import numpy as np
 
 from cupy_amp.ballot import JOINED, JOINING, NOT_JOINED, Ballot
 from cupy_amp.claims import StepClaims
-from cupy_amp.distributed import AFTER, INSIDE, OTHERS, Communicator, log_failed_join, poisoned_error, send_poison
+from cupy_amp.distributed import (
+    AFTER,
+    INSIDE,
+    OTHERS,
+    Communicator,
+    holds_poison,
+    log_failed_join,
+    poisoned_error,
+    send_poison,
+)
 from cupy_amp.errors import (
     ConfigError,
     CupyAmpError,
@@ -65,7 +74,7 @@ class CallRecord(NamedTuple):
 class Step:
     """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
 
-    __slots__ = ("_answered", "_lock", "_owner", "broken", "claims", "number", "phase", "records")
+    __slots__ = ("_answered", "_lock", "_owner", "broken", "claims", "number", "phase", "poison_sender", "records")
 
     def __init__(self) -> None:
         self.phase = IDLE
@@ -73,6 +82,7 @@ class Step:
         self.claims = StepClaims()
         self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
         self.broken: RanksMayDisagreeError | None = None  # once set, every later call raises it
+        self.poison_sender: threading.Thread | None = None  # the thread that sent this rank's poisoned vote
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._answered: GradientScope | None = None  # the running call's gradient scope, once its collective answered
@@ -129,7 +139,9 @@ class Step:
         except BaseException:
             applies = True
         if applies and self.broken is None and scope.ballot.communicator is not None:
-            self._poison_own(scope.ballot.communicator, error)
+            self._poison_own(scope.ballot.communicator)
+            if scope.phase == INSPECTED:
+                scope.states.skip_all()  # this rank's record says "skip" (a graph replaying its optimizer alone)
 
     # Call-order rules: each raises before anything changed.
 
@@ -172,9 +184,9 @@ class Step:
                 "check() was called after this step's gradients were already checked or unscaled: check() reads "
                 "all of a step's gradients in one call (its norm covers them all), and is the step's only gradient "
                 "call. To step several optimizers from one scaler (scaler.step(optimizer, gradients) twice, as for a "
-                "GAN or a multi-task model), check all their gradients in one call and give each optimizer its "
-                "share: stats = scaler.check(grads0 + grads1, max_norm=...); optimizer0.step(grads0, stats); "
-                "optimizer1.step(grads1, stats); then scaler.update() once."
+                "GAN or a multi-task model), pass them together: scaler.step([optimizer0, optimizer1], [grads0, "
+                "grads1], max_norm=...), one check over all their gradients, each optimizer applying it to its "
+                "own; then scaler.update() once."
             )
 
     def require_gradients(self) -> None:
@@ -284,6 +296,8 @@ class Step:
                     self._fail(scope)
                 elif scope.phase == INSPECTED:
                     scope.states.skip_all()
+            elif scope.phase == INSPECTED:
+                scope.states.skip_all()  # a check that failed leaves "skip", whatever its answer said
         finally:
             self._join_after_failure(scope, stage, error)
 
@@ -325,15 +339,22 @@ class Step:
         communicator = scope.ballot.communicator
         if communicator is None:
             return
+        if self.broken is not None and self.broken.own:
+            self.poison_sender = send_poison(communicator)
+            return
+        if stage != NOT_JOINED:
+            return
+        values = np.array([1.0, 0.0], dtype=np.float64)
         try:
-            if self.broken is not None and self.broken.own:
-                send_poison(communicator)
-            elif stage == NOT_JOINED:
-                scope.ballot.sum(np.array([1.0, 0.0], dtype=np.float64), None)
+            scope.ballot.sum(values, None)
         except BaseException as join_error:
             if scope.ballot.stage == JOINING:  # the join after the failure is itself of unknown outcome
                 self.poison(poisoned_error(INSIDE))
+                self.poison_sender = send_poison(communicator)
             log_failed_join(error, join_error)
+            return
+        if holds_poison(float(values[0])):  # another rank's poisoned vote: this rank refuses too
+            self.poison(poisoned_error(OTHERS))
 
     @contextlib.contextmanager
     def applying(self, communicator: Communicator | None, applies: Callable[[], bool]) -> Iterator[None]:
@@ -346,25 +367,23 @@ class Step:
         the verdict; if even that fails, the step is taken to apply. A check
         that failed was accounted for by its own scope.
         """
+        inspected_before = self.phase == INSPECTED  # then this call's check is refused: nothing of its own applies
         try:
             yield
-        except BaseException as error:
-            if communicator is not None and self.broken is None:
+        except BaseException:
+            if communicator is not None and self.broken is None and not inspected_before:
                 try:
                     poisoned = applies()
                 except BaseException:
                     poisoned = True
                 if poisoned:
-                    self._poison_own(communicator, error)
+                    self._poison_own(communicator)
             raise
 
-    def _poison_own(self, communicator: Communicator, error: BaseException) -> None:
+    def _poison_own(self, communicator: Communicator) -> None:
         """Poison the scaler for a failure after the ranks agreed to apply, and tell the other ranks."""
         self.poison(poisoned_error(AFTER))
-        try:
-            send_poison(communicator)
-        except BaseException as join_error:
-            log_failed_join(error, join_error)
+        self.poison_sender = send_poison(communicator)
 
     def _open(self, phase: str, states: StateSet, claims: StepClaims) -> None:
         """Open the gradient part of the step: forget the last step's verdict; the phase changes last."""

@@ -160,7 +160,9 @@ class SyncFreeGradScaler(Face):
 
         Raises:
             ArgumentTypeError: ``targets`` and ``updates`` differ in length.
+            RanksMayDisagreeError: The scaler is poisoned (see ``update``).
         """
+        self._step.refuse_if_broken()
         targets, updates = list(targets), list(updates)
         if len(targets) != len(updates):
             raise ArgumentTypeError(

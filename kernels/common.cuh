@@ -97,14 +97,14 @@ struct StateArgs {
     u64 state;  // State*
 };
 
-constexpr double kPoison = 1099511627776.0;  // 2**40, cupy_amp.distributed.POISON: POISON plus a count of ranks is
-                                             // a poisoned vote; beyond 2 * POISON (inf...) it is garbage
+constexpr double kPoison = 1099511627776.0;  // 2**40, cupy_amp.distributed.POISON: a multiple of POISON plus a
+                                             // count of ranks holds poisoned votes; from 2**60 on (inf...) garbage
 
 // The verdict of an all-reduced count of overflowed ranks (cupy_amp.distributed.count_verdict), into the State:
 // whether any rank overflowed, this rank's own flag included; a poisoned count; an impossible one (counted
 // once per step in bad_votes). Returns whether the count was bad. A NaN fails every comparison.
 __device__ __forceinline__ bool take_count(State* s, double count) {
-    if (count >= kPoison && count < 2.0 * kPoison) s->poisoned = 1;
+    if (count >= kPoison && count < kPoison * 1048576.0) s->poisoned = 1;  // one or several poisoned votes
     const bool bad = s->poisoned == 0 && !(count >= (double)s->found && count < kPoison && count == floor(count));
     if (bad && s->bad_vote_epoch != s->epoch) {
         s->bad_votes += 1;

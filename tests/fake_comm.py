@@ -40,10 +40,10 @@ class FakeWorld:
     def sum_over_ranks(self, rank: int, values: np.ndarray) -> np.ndarray:
         """Deposit ``values`` for ``rank``, wait for every rank, and return the elementwise sum (a collective)."""
         self._slots[rank] = values.copy()  # type: ignore[call-overload]
+        self.sums[rank].append(values.copy())  # before waiting: whoever waits for this pair sees it kept
         self._barrier.wait()
         total = np.sum(np.stack(self._slots), axis=0)  # type: ignore[arg-type]
         self._barrier.wait()
-        self.sums[rank].append(values.copy())
         self.votes[rank].append((int(values[0]), int(total[0])))
         return total
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -18,8 +19,9 @@ import pytest
 from fake_comm import FakeVote, FakeWorld, run_ranks
 from helpers import Face, open_step, refuses_every_call
 
-from cupy_amp import GradScaler, RanksMayDisagreeError
+from cupy_amp import GradientTypeError, GradScaler, RanksMayDisagreeError, ScalerProtocolError
 from cupy_amp.numpy_backend import HostState
+from cupy_amp.optim import SGD
 
 POISON = 2.0**40
 
@@ -84,3 +86,114 @@ def test_an_interrupt_reading_an_all_finite_verdict_never_lets_the_scales_diverg
     outcomes = run_ranks(FakeWorld(2), body)
     assert not armed, "the read was never interrupted"
     assert outcomes[0] == outcomes[1], f"the ranks diverged without a word: {outcomes}"
+
+
+def test_the_poisoning_rank_returns_at_once_when_no_other_rank_calls_again() -> None:
+    """Rank 0 is interrupted as the last step's all-reduce returns; rank 1 finishes and never joins another
+    collective. The poisoned vote is sent from a thread of its own, so rank 0's call returns at once instead
+    of waiting for a collective that never comes (real NCCL has no timeout)."""
+
+    def body(world: FakeWorld, rank: int) -> float:
+        scaler = GradScaler(init_scale=4.0, comm=FakeVote(world, rank, interrupt_at=1 - rank))
+        open_step(scaler)
+        begin = time.monotonic()
+        try:
+            scaler.unscale_and_check([np.ones(3, np.float32)])
+        except KeyboardInterrupt:
+            assert scaler._step.broken is not None
+        else:
+            assert rank == 1
+            scaler.update()
+        return time.monotonic() - begin
+
+    seconds = run_ranks(FakeWorld(2, timeout=3.0), body)
+    assert seconds[0] < 1.0, f"rank 0 waited {seconds[0]:.1f} s to send its poisoned vote"
+
+
+def test_two_poisoned_votes_in_one_collective_poison_the_third_rank() -> None:
+    def body(world: FakeWorld, rank: int) -> str:
+        scaler = GradScaler(init_scale=4.0, growth_interval=1, comm=FakeVote(world, rank, interrupt_at=int(rank < 2)))
+        grads = [np.ones(3, np.float32)]
+        open_step(scaler)
+        if rank < 2:  # one Ctrl-C reaching two processes
+            with pytest.raises(KeyboardInterrupt):
+                scaler.unscale_and_check(grads)
+            return "interrupted"
+        scaler.unscale_and_check(grads)
+        scaler.update()
+        open_step(scaler)
+        with pytest.raises(RanksMayDisagreeError):
+            scaler.unscale_and_check(grads)  # 2 * POISON arrives in one collective
+        refuses_every_call(scaler)
+        return "refused"
+
+    assert run_ranks(FakeWorld(3), body) == ["interrupted", "interrupted", "refused"]
+
+
+def test_a_poisoned_vote_met_by_a_rejected_call_still_poisons_that_rank() -> None:
+    """Rank 1's next call is rejected (an int32 gradient) and joins as an overflowed rank: the answer it gets
+    holds rank 0's poisoned vote, which it must not ignore."""
+
+    def body(world: FakeWorld, rank: int) -> str:
+        scaler = GradScaler(init_scale=4.0, comm=FakeVote(world, rank, interrupt_at=1 - rank))
+        open_step(scaler)
+        if rank == 0:
+            with pytest.raises(KeyboardInterrupt):
+                scaler.unscale_and_check([np.ones(3, np.float32)])
+            return "interrupted"
+        scaler.unscale_and_check([np.ones(3, np.float32)])
+        scaler.update()
+        open_step(scaler)
+        with pytest.raises(GradientTypeError):
+            scaler.unscale_and_check([np.ones(3, np.int32)])
+        refuses_every_call(scaler)
+        return "refused"
+
+    assert run_ranks(FakeWorld(2), body) == ["interrupted", "refused"]
+
+
+def test_a_disabled_scalers_step_stopped_between_its_optimizers_poisons_whatever_the_last_enabled_step_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    world = FakeWorld(1)
+    scaler = GradScaler(init_scale=4.0, comm=FakeVote(world, 0))
+    open_step(scaler).unscale_and_check([np.array([np.inf], np.float32)])  # the last enabled step overflowed
+    scaler.update()
+    scaler.set_enabled(False)
+    opt0, opt1 = SGD([np.zeros(2, np.float32)], lr=1.0), SGD([np.zeros(2, np.float32)], lr=1.0)
+
+    def stopped(*args: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(opt1, "step", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        scaler.step([opt0, opt1], [[np.ones(2, np.float32)], [np.ones(2, np.float32)]])
+    assert opt0.step_count == 1  # opt0 applied the disabled check: the other ranks apply both
+    with pytest.raises(RanksMayDisagreeError):
+        scaler.update()
+
+
+def test_a_second_scaler_step_in_one_step_is_refused_without_poisoning() -> None:
+    scaler = GradScaler(init_scale=4.0, comm=FakeVote(FakeWorld(1), 0))
+    opt0, opt1 = SGD([np.zeros(2, np.float32)], lr=1.0), SGD([np.zeros(2, np.float32)], lr=1.0)
+    open_step(scaler).step(opt0, [np.ones(2, np.float32)])
+    with pytest.raises(ScalerProtocolError, match=r"scaler\.step\(\[optimizer0, optimizer1\]"):
+        scaler.step(opt1, [np.ones(2, np.float32)])  # PyTorch's idiom: refused, nothing changed
+    scaler.update()
+    assert scaler._step.broken is None and scaler.stats().steps == 1
+
+
+def test_a_check_whose_verdict_read_fails_leaves_the_record_saying_skip(monkeypatch: pytest.MonkeyPatch) -> None:
+    scaler = GradScaler(init_scale=4.0, comm=FakeVote(FakeWorld(1), 0))
+    real_read, armed = HostState.read, [True]
+
+    def read(self: HostState) -> Any:
+        if armed:
+            armed.clear()
+            raise KeyboardInterrupt
+        return real_read(self)
+
+    monkeypatch.setattr(HostState, "read", read)
+    with pytest.raises(KeyboardInterrupt):
+        open_step(scaler).check([np.ones(3, np.float32)])
+    assert int(scaler._scaling.default.stats.skip) == 1, "a check that failed left 'apply' in the record"

@@ -50,22 +50,20 @@ def test_a_pytorch_name_points_to_the_cupy_amp_call(face: Face, name: str, ours:
 
 
 @pytest.mark.parametrize("face", FACES)
-def test_stepping_a_second_optimizer_says_to_check_once_and_step_each(face: Face) -> None:
+def test_stepping_a_second_optimizer_says_to_step_both_in_one_call(face: Face) -> None:
     w0, w1 = np.zeros(4, np.float32), np.zeros(4, np.float32)
     scaler, first, second = face(), AdamW([w0]), SGD([w1], lr=0.1)
     scaler.scale_loss(np.array(1.0, np.float32))
     g0, g1 = [np.full(4, 65536.0, np.float32)], [np.full(4, 65536.0, np.float32)]
     scaler.step(first, g0)
-    with pytest.raises(ScalerProtocolError, match=r"stats = scaler\.check\(grads0 \+ grads1.*optimizer1\.step"):
+    with pytest.raises(ScalerProtocolError, match=r"scaler\.step\(\[optimizer0, optimizer1\], \[grads0, grads1\]"):
         scaler.step(second, g1)
     # The way the message gives works: one check over both, each optimizer its share.
     scaler, first, second = face(), AdamW([w0]), SGD([w1], lr=0.1)
     scaler.scale_loss(np.array(1.0, np.float32))
-    stats = scaler.check(g0 + g1, max_norm=1.0)
-    first.step(g0, stats)
-    second.step(g1, stats)
+    stats = scaler.step([first, second], [g0, g1], max_norm=1.0)
     scaler.update()
-    assert first.step_count == second.step_count == 1
+    assert first.step_count == second.step_count == 1 and bool(stats.finite)
 
 
 def test_missing_arguments_name_the_public_call_and_what_to_pass() -> None:

@@ -280,7 +280,7 @@ class DeviceVote:
 
 @pytest.mark.parametrize(
     ("answer", "own_inf"),
-    [(0.5, False), (0.0, True), (-1.0, False), (float("nan"), False), (2.0**42, False)],
+    [(0.5, False), (0.0, True), (-1.0, False), (float("nan"), False), (2.0**62, False)],
     ids=["fraction", "below-own", "negative", "nan", "huge"],
 )
 def test_a_count_no_ranks_can_add_up_to_counts_as_an_overflow_and_is_reported(answer: float, own_inf: bool) -> None:
