@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -429,10 +430,11 @@ class BackendStandIn:
 
 
 class DevicePairStandIn:
-    """A float64 pair that the wrapper takes for a device array (not a NumPy one)."""
+    """A float64 pair that the wrapper takes for a device array (not a NumPy one), on device 3."""
 
     def __init__(self, values: list[float]) -> None:
         self.values = values
+        self.device = SimpleNamespace(id=3)
 
     def __setitem__(self, key: Any, other: DevicePairStandIn) -> None:
         self.values = list(other.values)
@@ -447,6 +449,7 @@ def test_communicator_for_wraps_nccl_communicators() -> None:
     communicator.reduce_sum(pair, "the-stream")
     assert pair.values == [1.0, 2.5]  # one rank's sum is its own pair
     assert backend.calls == [("sum", "the-stream")]
+    assert communicator._device == 3  # a host pair (the poisoned vote's) goes through this device
 
 
 @pytest.mark.parametrize("comm", [42, "nccl", object()], ids=["int", "str", "object"])

@@ -410,6 +410,7 @@ def test_a_finish_that_fails_after_the_all_reduce_sends_the_poison_instead_of_a_
     monkeypatch.setattr(device_stats.DeviceStatsRecord, "finish", broken_finish)
     with pytest.raises(RuntimeError, match="launch failed"):
         scaler.check(grads)
+    scaler._step.poison_sender.join(10.0)  # sent from a thread of its own
     assert others.counts == [0.0, 2.0**40]  # the vote, then the poisoned vote: never a second vote
     with pytest.raises(RanksMayDisagreeError):
         scaler.had_overflow()

@@ -96,6 +96,12 @@ class RecordingNccl:
             raise KeyboardInterrupt
 
 
+def sent(scaler: Any) -> None:
+    """Wait for the poisoned vote, sent from a thread of its own, if the scaler sent one."""
+    if scaler._step.poison_sender is not None:
+        scaler._step.poison_sender.join(10.0)
+
+
 @pytest.fixture(scope="module")
 def nccl_comm() -> Any:
     try:
@@ -115,6 +121,7 @@ def test_a_ctrl_c_as_the_all_reduce_returns_sends_the_poison_once_instead_of_a_s
     grads = [cupy.ones(8, cupy.float32)]
     with pytest.raises(KeyboardInterrupt):
         getattr(open_step(scaler, cupy), method)(grads)
+    sent(scaler)
     assert len(comm.answers) == 2, f"all-reduces joined: {comm.answers}"
     assert comm.answers[1][0] == POISON, f"the second all-reduce was a vote, not the poison: {comm.answers}"
     refuses_every_call(scaler, xp=cupy)
@@ -134,6 +141,7 @@ def test_an_interrupt_at_any_line_keeps_the_answers_verdict_or_refuses(nccl_comm
         open_step(scaler, cupy)
         if not interrupted(lambda: getattr(scaler, method)(grads), k):  # noqa: B023
             break
+        sent(scaler)
         votes = [answer[0] for answer in comm.answers if answer[0] < POISON]
         assert len(votes) <= 1, f"line {k}: joined {len(votes)} votes"
         try:
