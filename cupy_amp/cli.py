@@ -33,7 +33,8 @@ from typing import TextIO
 
 from cupy_amp import __version__
 from cupy_amp._fileio import read_file_start
-from cupy_amp.checkpoint import FILE_PREFIX, FORMAT_NAME, FORMAT_VERSION, read_checkpoint
+from cupy_amp.checkpoint import read_checkpoint
+from cupy_amp.checkpoint_file import FILE_PREFIX, FORMAT_NAME, FORMAT_VERSION
 from cupy_amp.errors import CheckpointError
 from cupy_amp.optim import state_file
 from cupy_amp.rule import power_of_two

@@ -10,15 +10,19 @@ import numpy as np
 import pytest
 
 from cupy_amp import GradScaler, RanksMayDisagreeError, SyncFreeGradScaler
+from cupy_amp.dtypes import bfloat16
 
 __all__ = [
     "FACES",
     "GRAD_SCALER",
+    "MASKS",
     "SYNC_FREE",
     "Face",
     "assert_same_bits",
+    "awkward",
     "bits",
     "capture",
+    "on_the_bits",
     "open_step",
     "refuses_every_call",
     "saved_arrays",
@@ -143,3 +147,38 @@ def refuses_every_call(scaler: Any, optimizer: Any = None, xp: Any = np) -> None
         with pytest.raises(RanksMayDisagreeError):
             call()
     assert float(loss) == 1.0 and xp.all(grads[0] == 1)
+
+
+# dtype -> (unsigned view, magnitude mask, infinity's bits, smallest normal's bits)
+MASKS: dict[Any, tuple[Any, int, int, int]] = {
+    np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00, 0x0400),
+    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000, 0x00800000),
+    np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, 0x0010000000000000),
+}
+if bfloat16() is not None:
+    MASKS[np.dtype(bfloat16())] = (np.uint16, 0x7FFF, 0x7F80, 0x0080)
+
+
+def on_the_bits(array: np.ndarray) -> tuple[float, int, int]:
+    """(amax, zeros, subnormals) from the bits alone."""
+    unsigned, magnitude_mask, infinity, min_normal = MASKS[array.dtype]
+    magnitude = np.ascontiguousarray(array).view(unsigned).reshape(-1) & unsigned(magnitude_mask)
+    finite = magnitude[magnitude < infinity]
+    amax = float(finite.max().astype(unsigned).reshape(1).view(array.dtype)[0]) if finite.size else 0.0
+    return (
+        amax,
+        int(np.count_nonzero(magnitude == 0)),
+        int(np.count_nonzero((magnitude > 0) & (magnitude < min_normal))),
+    )
+
+
+def awkward(rng: np.random.Generator, dtype: Any, size: int) -> np.ndarray:
+    """Values of every class: normals of both signs, +-0, subnormals, the largest finite, and (some) inf/nan."""
+    unsigned, magnitude_mask, infinity, min_normal = MASKS[np.dtype(dtype)]
+    bits = rng.integers(0, int(infinity), size=size, dtype=np.uint64).astype(unsigned)  # finite magnitudes
+    bits[rng.random(size) < 0.2] = 0
+    subnormal = rng.random(size) < 0.2
+    bits[subnormal] = rng.integers(1, int(min_normal), size=int(subnormal.sum()), dtype=np.uint64).astype(unsigned)
+    sign = unsigned(magnitude_mask + 1)
+    bits[rng.random(size) < 0.5] |= sign
+    return bits.view(np.dtype(dtype))

@@ -15,10 +15,8 @@ same operations run in :mod:`cupy_amp.optim.reference`, bit for bit.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, TypeVar
@@ -29,16 +27,13 @@ from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import (
     ArgumentTypeError,
     ConfigError,
-    GradientTypeError,
-    GradientValueError,
     ScalerProtocolError,
 )
-from cupy_amp.optim import state_file
+from cupy_amp.optim import arguments, state_file
 from cupy_amp.record import GradientStats
 
 __all__ = ["FusedOptimizer", "hyperparameter"]
 
-_PARAM_DTYPES = ("float16", "bfloat16", "float32")
 _T = TypeVar("_T")
 
 
@@ -79,7 +74,7 @@ class FusedOptimizer:
         self._params = list(params)
         if not self._params:
             raise ArgumentTypeError(f"{type(self).__name__} expected a non-empty list of parameters, got none.")
-        self._xp, self._device = self._expect_params(self._params)
+        self._xp, self._device = arguments.expect_params(self._params)
         xp = self._xp
         with self._on_device():  # the buffers live beside the parameters, whichever device is current
             self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
@@ -126,39 +121,6 @@ class FusedOptimizer:
 
     def _has(self, buffer: str) -> bool:
         return True
-
-    @staticmethod
-    def _expect_params(params: list[Any]) -> tuple[Any, int]:
-        """Return (array module, device: -1 for the host) of valid parameters.
-
-        Raises:
-            GradientTypeError: Not NumPy/CuPy float16/bfloat16/float32 arrays of one kind.
-            GradientValueError: Read-only, not C-contiguous, misaligned, on several devices, or sharing memory.
-        """
-        kinds = set()
-        cupy = sys.modules.get("cupy")
-        for index, p in enumerate(params):
-            module = "numpy" if isinstance(p, np.ndarray) else "cupy" if cupy and isinstance(p, cupy.ndarray) else None
-            if module is None:
-                raise GradientTypeError(f"params[{index}]: expected a NumPy or CuPy array, got {type(p).__name__}.")
-            if dtype_name(p.dtype) not in _PARAM_DTYPES:
-                raise GradientTypeError(
-                    f"params[{index}]: dtype {p.dtype} is not supported (expected float16, bfloat16 or float32)."
-                )
-            if not p.flags.c_contiguous or not _aligned(p) or (module == "numpy" and not p.flags.writeable):
-                raise GradientValueError(f"params[{index}]: must be a writable, aligned, C-contiguous array.")
-            kinds.add(module)
-        if len(kinds) > 1:
-            raise GradientTypeError("params mix NumPy and CuPy arrays; pass arrays of one kind.")
-        if kinds == {"numpy"}:
-            xp, devices = np, {-1}
-        else:
-            xp = sys.modules["cupy"]
-            devices = {p.data.device_id for p in params}
-        if len(devices) > 1:
-            raise GradientValueError(f"params are on several devices {sorted(devices)}; use one optimizer per device.")
-        _refuse_overlap([(_address(p), p.nbytes, f"params[{i}]") for i, p in enumerate(params)])
-        return xp, devices.pop()
 
     # Hyperparameters: the host copy and the device record agree after every change.
 
@@ -269,12 +231,12 @@ class FusedOptimizer:
                 "gradients that no scaler scaled: nothing is then unscaled, clipped or skipped."
             )
         grads = list(gradients)
-        self._expect_stats(stats)
+        arguments.expect_stats(stats, self._device)
         self._exclusive("step()", lambda: self._step(grads, stats))
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
-        self._expect_gradients(grads)
+        arguments.expect_gradients(grads, self._params, self._device)
         if stats is None:
             self._apply(grads, None, None)
             return
@@ -302,41 +264,11 @@ class FusedOptimizer:
             raise
         self._torn, self._stream = None, stream
 
-    def _expect_stats(self, stats: GradientStats | None) -> None:
-        if stats is None:
-            return
-        if not isinstance(stats, GradientStats):
-            raise ArgumentTypeError(
-                f"stats: expected the GradientStats of a scaler's check(), got {type(stats).__name__}."
-            )
-        if stats.device != self._device:
-            ours, theirs = (_where(device) for device in (self._device, stats.device))
-            raise ArgumentTypeError(
-                f"stats: this optimizer's parameters are on {ours}; the check() that made these statistics ran "
-                f"on {theirs}."
-            )
-
-    def _expect_gradients(self, grads: list[Any]) -> None:
-        if len(grads) != len(self._params):
-            raise ArgumentTypeError(f"Expected {len(self._params)} gradients (one per parameter), got {len(grads)}.")
-        for index, (g, p) in enumerate(zip(grads, self._params)):
-            if type(g) is not type(p):
-                raise GradientTypeError(f"gradients[{index}]: expected a {type(p).__name__}, got {type(g).__name__}.")
-            if g.dtype != p.dtype or g.shape != p.shape:
-                raise GradientTypeError(
-                    f"gradients[{index}]: expected {p.dtype} of shape {p.shape} (its parameter's), got {g.dtype} of "
-                    f"shape {g.shape}."
-                )
-            if not g.flags.c_contiguous or not _aligned(g) or (self._device >= 0 and g.data.device_id != self._device):
-                raise GradientValueError(
-                    f"gradients[{index}]: must be aligned, C-contiguous and on the parameters' device."
-                )
-
     def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
         """Compute the step into new arrays, then write the parameters and swap the new state in."""
         skip = bool(source["skip"]) if source is not None else False
         factor = np.float32(source["factor"]) if source is not None else np.float32(1.0)
-        self._refuse_shared(grads)
+        arguments.refuse_shared(grads, self._params, (self._masters, *self._buffers.values()))
         record = self._record.copy()
         self._begin(record, skip, factor)
         if skip:
@@ -366,11 +298,11 @@ class FusedOptimizer:
         """Return the device tables for these gradient buffers, built when their addresses change."""
         key = tuple(int(g.data.ptr) for g in grads)
         if key != self._table_key:
-            self._refuse_shared(grads)
+            arguments.refuse_shared(grads, self._params, (self._masters, *self._buffers.values()))
             groups: dict[str, list[tuple[int, ...]]] = {}
             counts: dict[str, list[int]] = {}
             for index, (g, p) in enumerate(zip(grads, self._params)):
-                name = str(dtype_name(p.dtype))  # one of _PARAM_DTYPES: checked at construction
+                name = str(dtype_name(p.dtype))  # one of arguments.PARAM_DTYPES: checked at construction
                 master = self._masters[index]
                 moments = [self._buffers[m][index] for m in self._layout.moments] + [None] * (
                     2 - len(self._layout.moments)
@@ -383,14 +315,6 @@ class FusedOptimizer:
                 self._tables = self._backend.param_tables(self._layout.kind, groups, counts)
             self._table_key = key
         return self._tables
-
-    def _refuse_shared(self, grads: list[Any]) -> None:
-        """Raise if a gradient shares memory with another or with anything the step writes."""
-        ranges = [(_address(g), g.nbytes, f"gradients[{i}]") for i, g in enumerate(grads)]
-        ranges += [(_address(p), p.nbytes, f"params[{i}]") for i, p in enumerate(self._params)]
-        for buffers in (self._masters, *self._buffers.values()):
-            ranges += [(_address(b), b.nbytes, "the optimizer's state") for b in buffers if b is not None]
-        _refuse_overlap(ranges)
 
     # State files.
 
@@ -506,26 +430,5 @@ class FusedOptimizer:
         self.load_state_dict(state_file.read(path, buffers + (1 << 16) + 64 * len(self._params)))
 
 
-def _aligned(array: Any) -> bool:
-    """Whether the array's address is a multiple of its itemsize (the GPU cannot load it otherwise)."""
-    return _address(array) % array.itemsize == 0 and (not isinstance(array, np.ndarray) or array.flags.aligned)
-
-
-def _where(device: int) -> str:
-    return "the host" if device < 0 else f"device {device}"
-
-
-def _address(array: Any) -> int:
-    return int(array.__array_interface__["data"][0]) if isinstance(array, np.ndarray) else int(array.data.ptr)
-
-
 def _host_bytes(array: Any) -> bytes:
     return (array if isinstance(array, np.ndarray) else array.get()).tobytes()
-
-
-def _refuse_overlap(ranges: list[tuple[int, int, str]]) -> None:
-    """Raise if two of the (address, bytes, name) ranges overlap."""
-    ordered = sorted((start, start + size, name) for start, size, name in ranges if size)
-    for (_, end, name), (start, _, other) in itertools.pairwise(ordered):
-        if start < end:
-            raise GradientValueError(f"{name} and {other} share memory; each must have its own.")

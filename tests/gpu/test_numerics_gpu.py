@@ -6,8 +6,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import capture, open_step
-from test_numerics_report import MASKS, awkward, on_the_bits
+from helpers import MASKS, awkward, capture, on_the_bits, open_step
 
 cupy = pytest.importorskip("cupy")
 

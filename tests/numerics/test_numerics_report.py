@@ -10,45 +10,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-from helpers import Face, open_step
+from helpers import MASKS, Face, awkward, on_the_bits, open_step
 
 from cupy_amp import ConfigError, GradScaler, ScalerProtocolError
-from cupy_amp.dtypes import bfloat16
 from cupy_amp.optim import SGD
-
-# dtype -> (unsigned view, magnitude mask, infinity's bits, smallest normal's bits)
-MASKS: dict[Any, tuple[Any, int, int, int]] = {
-    np.dtype(np.float16): (np.uint16, 0x7FFF, 0x7C00, 0x0400),
-    np.dtype(np.float32): (np.uint32, 0x7FFFFFFF, 0x7F800000, 0x00800000),
-    np.dtype(np.float64): (np.uint64, 0x7FFFFFFFFFFFFFFF, 0x7FF0000000000000, 0x0010000000000000),
-}
-if bfloat16() is not None:
-    MASKS[np.dtype(bfloat16())] = (np.uint16, 0x7FFF, 0x7F80, 0x0080)
-
-
-def on_the_bits(array: np.ndarray) -> tuple[float, int, int]:
-    """(amax, zeros, subnormals) from the bits alone."""
-    unsigned, magnitude_mask, infinity, min_normal = MASKS[array.dtype]
-    magnitude = np.ascontiguousarray(array).view(unsigned).reshape(-1) & unsigned(magnitude_mask)
-    finite = magnitude[magnitude < infinity]
-    amax = float(finite.max().astype(unsigned).reshape(1).view(array.dtype)[0]) if finite.size else 0.0
-    return (
-        amax,
-        int(np.count_nonzero(magnitude == 0)),
-        int(np.count_nonzero((magnitude > 0) & (magnitude < min_normal))),
-    )
-
-
-def awkward(rng: np.random.Generator, dtype: Any, size: int) -> np.ndarray:
-    """Values of every class: normals of both signs, +-0, subnormals, the largest finite, and (some) inf/nan."""
-    unsigned, magnitude_mask, infinity, min_normal = MASKS[np.dtype(dtype)]
-    bits = rng.integers(0, int(infinity), size=size, dtype=np.uint64).astype(unsigned)  # finite magnitudes
-    bits[rng.random(size) < 0.2] = 0
-    subnormal = rng.random(size) < 0.2
-    bits[subnormal] = rng.integers(1, int(min_normal), size=int(subnormal.sum()), dtype=np.uint64).astype(unsigned)
-    sign = unsigned(magnitude_mask + 1)
-    bits[rng.random(size) < 0.5] |= sign
-    return bits.view(np.dtype(dtype))
 
 
 @pytest.mark.parametrize("dtype", sorted(MASKS, key=str), ids=str)

@@ -16,7 +16,7 @@ from tools import check_kernels
 
 pytestmark = pytest.mark.nvrtc
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 HEADER = "common.cuh"
 _REPORTED = re.compile(r"^\s*(?P<path>\S+?):(?P<line>\d+): (?P<kind>error|warning): (?P<text>.*)$", re.MULTILINE)
 

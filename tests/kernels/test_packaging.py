@@ -24,7 +24,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 KERNEL_SOURCES = sorted(path for path in (REPO / "kernels").iterdir() if path.suffix in (".cu", ".cuh"))
 _SKIPPED_NAMES = {"build", "dist", "__pycache__", "node_modules"}
 

@@ -13,7 +13,7 @@ import pytest
 from cupy_amp import CupyAmpError, KernelSourceNotFoundError, kernel_sources
 from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, read_kernel_source
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SOURCE_KERNELS = REPO / "kernels"
 HEADER = "common.cuh"
 _LINE_DIRECTIVE = re.compile(r'^#line (\d+) "([^"]+)"$')

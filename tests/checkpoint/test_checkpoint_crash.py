@@ -20,7 +20,7 @@ import pytest
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 COMMON: dict[str, Any] = {
     "growth_factor": 2.0,

@@ -8,7 +8,7 @@ recomputed (so the mutated document reaches the msgpack parser and the
 structure checks behind the checksum).
 
 Set CUPY_AMP_FUZZ_EXAMPLES to run more examples per test (default 1000, about ten
-seconds in all), e.g. ``CUPY_AMP_FUZZ_EXAMPLES=100000 pytest tests/test_checkpoint_fuzz.py``.
+seconds in all), e.g. ``CUPY_AMP_FUZZ_EXAMPLES=100000 pytest tests/checkpoint/test_checkpoint_fuzz.py``.
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ SEEDS = [
     GradScalerCheckpoint(
         **{**FIELDS, "steps": 2**64 - 1, "skipped_steps": 2**63, "backoffs": 2**62, "remote_skipped_steps": 2**63}
     ).to_bytes(),
-    (Path(__file__).parent / "data" / "grad_scaler_v1.ckpt").read_bytes(),  # version 1, read through the migration
+    # version 1, read through the migration
+    (Path(__file__).resolve().parents[1] / "data" / "grad_scaler_v1.ckpt").read_bytes(),
 ]
 # Type bytes that claim long (or maximal) lengths, for inflating a header in place.
 INFLATED = [b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff", b"\xc6\xff\xff\xff\xff"]

@@ -31,7 +31,7 @@ from cupy_amp.chainer import attach  # noqa: E402
 from cupy_amp.demo.model import load_dataset  # noqa: E402
 from cupy_amp.numpy_backend import HostState  # noqa: E402
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -84,7 +84,7 @@ def test_every_float_is_written_as_float64() -> None:
 # encoder no longer exists), grad_scaler_v2.ckpt by version 2. If the version-2
 # test fails, the encoder no longer writes version 2. Changing the format means
 # a new FORMAT_VERSION, a migration from the previous version
-# (cupy_amp.checkpoint._MIGRATIONS), a new golden file and its tests, never a
+# (cupy_amp.checkpoint_file._MIGRATIONS), a new golden file and its tests, never a
 # regenerated one; the older golden files keep checking that their versions
 # still decode.
 

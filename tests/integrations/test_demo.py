@@ -24,7 +24,7 @@ from cupy_amp.demo.settings import ScalerSettings, Settings
 from cupy_amp.demo.training import StepOutcome, Trainer, make_scaler, new_state, select_device
 from tests.conftest import gpu_unavailable_reason
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 STEPS = 120  # with the default scaler settings: overflows and backoffs at steps 1-6, a growth at 56, an overflow at 60
 HALF = 60
 

@@ -14,7 +14,7 @@ from reference_model import f32, identical, inv_scale, is_overflowing, same_bits
 from cupy_amp import GradScaler
 
 FLOAT_DTYPES = [np.float16, np.float32, np.float64]
-LOSS_DTYPES = [np.float32, np.float64]  # scale_loss refuses float16 (tests/test_step_opens.py)
+LOSS_DTYPES = [np.float32, np.float64]  # scale_loss refuses float16 (tests/step/test_step_opens.py)
 BITS = {np.float16: np.uint16, np.float32: np.uint32, np.float64: np.uint64}
 NAN_PAYLOADS = {
     np.float16: [0x7E00, 0x7C01, 0xFE00, 0xFD55, 0x7FFF],

@@ -18,9 +18,9 @@ from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, GradScalerCheckpoin
 from cupy_amp.cli import main
 from cupy_amp.errors import CheckpointFieldError
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-GOLDEN_V1 = Path(__file__).parent / "data" / "grad_scaler_v1.ckpt"
-GOLDEN_V2 = Path(__file__).parent / "data" / "grad_scaler_v2.ckpt"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+GOLDEN_V1 = Path(__file__).resolve().parents[1] / "data" / "grad_scaler_v1.ckpt"
+GOLDEN_V2 = Path(__file__).resolve().parents[1] / "data" / "grad_scaler_v2.ckpt"
 FIELD_NAMES = [
     "scale",
     "growth_factor",

@@ -108,7 +108,7 @@ def test_inspect_torch_prints_pytorchs_state_dict(tmp_path: Path, capsys: pytest
 
 def readme_programs() -> list[str]:
     """The README's complete Python programs: blocks that import what they use and make their own data."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     return [block for block in blocks if block.startswith("import") and ("rng" in block or "tempfile" in block)]
 
