@@ -187,25 +187,29 @@ class Face:
         limit = expect_max_norm(max_norm)
         reporting = expect_bool(ConfigError, "report", report)
         with self._step.call():
-            lane = self._lane
-            with self._step.gradient_call(INSPECTED, lane, self._communicator) as scope:
-                scope.max_norm = limit
-                call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE, in_place=False)
-                state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-                self._step.open_call(scope, call, state)
-                culprits = self._settle(lane, state, call, check_call(call, state, scope, reporting))
-                self._step.record_call(scope, culprits)
-            number = self._step.number
-            if reporting:  # with the culprits where the host knows them (a disabled GradScaler's records keep none)
-                nonfinite = None if culprits is None else tuple(call.labels[position] for position in culprits)
-                self._numerics_source = NumericsSource(number, call.labels, call.plan, state, nonfinite)
-            stats = state.stats
-            stats.record.completed(number)  # the record may be applied now: once by each optimizer
-            finite = self._host_finite(lane)
-            return GradientStats(
-                stats.norm, stats.clip_coefficient, stats.factor, state.finite if finite is None else finite,
-                stats.record, number,
-            )  # fmt: skip
+            return self._check(gradients, limit, reporting)
+
+    def _check(self, gradients: Any, limit: float, reporting: bool) -> GradientStats:
+        """Run ``check()`` inside a call that holds the scaler (``check()``'s own, or ``step()``'s)."""
+        lane = self._lane
+        with self._step.gradient_call(INSPECTED, lane, self._communicator) as scope:
+            scope.max_norm = limit
+            call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE, in_place=False)
+            state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
+            self._step.open_call(scope, call, state)
+            culprits = self._settle(lane, state, call, check_call(call, state, scope, reporting))
+            self._step.record_call(scope, culprits)
+        number = self._step.number
+        if reporting:  # with the culprits where the host knows them (a disabled GradScaler's records keep none)
+            nonfinite = None if culprits is None else tuple(call.labels[position] for position in culprits)
+            self._numerics_source = NumericsSource(number, call.labels, call.plan, state, nonfinite)
+        stats = state.stats
+        stats.record.completed(number)  # the record may be applied now: once by each optimizer
+        finite = self._host_finite(lane)
+        return GradientStats(
+            stats.norm, stats.clip_coefficient, stats.factor, state.finite if finite is None else finite,
+            stats.record, number,
+        )  # fmt: skip
 
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit; either scaler loads it.
@@ -273,7 +277,10 @@ class Face:
         ``(optimizer's index, position or key)``), then each optimizer applies
         it to its own. Returns the step's statistics (``norm``,
         ``clip_coefficient``, ``factor``, ``finite``). Synchronizes as
-        ``check()`` does.
+        ``check()`` does. It is one call of the scaler: another thread's
+        ``update()`` waits until every optimizer has applied the step. With a
+        communicator, a failure after the check answered "apply" poisons the
+        scaler (this rank's weights may differ from the others').
 
         With ``report``, the check also takes the numerics report
         (:meth:`gradient_numerics`).
@@ -289,10 +296,12 @@ class Face:
                 "them as an argument, in their parameters' order (PyTorch's find .grad on their parameters): "
                 "scaler.step(optimizer, grads)."
             )
+        limit = expect_max_norm(max_norm)
+        reporting = expect_bool(ConfigError, "report", report)
         if not isinstance(optimizer, (list, tuple)):
             share = list(gradients) if isinstance(gradients, Iterator) else gradients  # read once, for both
-            with self._step.applying(self._communicator, self._step_applies):
-                stats = self.check(share, max_norm=max_norm, report=report)
+            with self._step.call():  # one call: no other thread's update() between the check and the optimizer
+                stats = self._check(share, limit, reporting)
                 optimizer.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
             return stats
         shares = [list(g) if isinstance(g, Iterator) else g for g in _shares(gradients, len(optimizer))]
@@ -300,19 +309,11 @@ class Face:
         for index, share in enumerate(shares):
             entries = share.items() if isinstance(share, Mapping) else enumerate(share)
             labelled.update(((index, key), array) for key, array in entries)
-        with self._step.applying(self._communicator, self._step_applies):
-            stats = self.check(labelled, max_norm=max_norm, report=report)
+        with self._step.call():
+            stats = self._check(labelled, limit, reporting)
             for each, share in zip(optimizer, shares):
                 each.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
         return stats
-
-    def _step_applies(self) -> bool:
-        """Whether this step's check completed with the verdict "apply" (for a ``step()`` that failed after it).
-
-        Read from the states the check ran on (a disabled ``GradScaler``'s own, not the last enabled step's
-        verdict); a device state's read synchronizes.
-        """
-        return self._step.phase == INSPECTED and not any(state.read().overflow for state in self._lane.all())
 
 
 def _shares(gradients: Any, count: int) -> list[Any]:

@@ -122,7 +122,7 @@ class Step:
                 self._owner = None
             except BaseException as error:
                 self._owner = None
-                if self._answered is not None:  # a gradient call that completed, then lost its result
+                if self._answered is not None:  # a check answered, then its result was lost (or its optimizers failed)
                     self._lost_answer(self._answered, error)
                 raise
 
@@ -130,7 +130,8 @@ class Step:
         """Poison a call that completed with the verdict "apply" but raised before returning it.
 
         The other ranks apply the step; this rank's caller got an exception
-        instead of the go-ahead. The verdict is read again (a device read
+        instead of the go-ahead, or (``scaler.step``) its optimizers were
+        stopped part way. The verdict is read again (a device read
         synchronizes; one that fails counts as "apply").
         """
         try:
@@ -355,30 +356,6 @@ class Step:
             return
         if holds_poison(float(values[0])):  # another rank's poisoned vote: this rank refuses too
             self.poison(poisoned_error(OTHERS))
-
-    @contextlib.contextmanager
-    def applying(self, communicator: Communicator | None, applies: Callable[[], bool]) -> Iterator[None]:
-        """Scope a check and the optimizers' application of it (``scaler.step``).
-
-        With a communicator, a failure after the check completed with the
-        verdict "apply" (before the optimizers ran, or while they ran) leaves
-        this rank's weights unlike the other ranks', which apply the step whole:
-        the scaler is poisoned and sends the poisoned vote. ``applies`` reads
-        the verdict; if even that fails, the step is taken to apply. A check
-        that failed was accounted for by its own scope.
-        """
-        inspected_before = self.phase == INSPECTED  # then this call's check is refused: nothing of its own applies
-        try:
-            yield
-        except BaseException:
-            if communicator is not None and self.broken is None and not inspected_before:
-                try:
-                    poisoned = applies()
-                except BaseException:
-                    poisoned = True
-                if poisoned:
-                    self._poison_own(communicator)
-            raise
 
     def _poison_own(self, communicator: Communicator) -> None:
         """Poison the scaler for a failure after the ranks agreed to apply, and tell the other ranks."""

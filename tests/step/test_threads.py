@@ -180,3 +180,53 @@ def test_a_switch_made_before_a_call_takes_the_lock_is_the_one_the_call_sees(
     with pytest.raises(ScalerProtocolError):
         scaler.update()  # no gradient call counted in the step
     assert scaler.stats().scale == 65536.0 and scaler.stats().growths == 0
+
+
+def test_update_from_another_thread_waits_for_scaler_step_to_apply_every_optimizer(face: Face) -> None:
+    # scaler.step is one call: another thread's update() cannot close the step between its check and its
+    # optimizers (which left the first optimizer applied and the second refused: half a step).
+    from cupy_amp.optim import SGD
+
+    entered, release = threading.Event(), threading.Event()
+
+    class GatedSGD(SGD):
+        def step(self, gradients: Any, stats: Any = None) -> None:
+            entered.set()
+            assert release.wait(30)
+            super().step(gradients, stats)
+
+    params = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    first, second = GatedSGD([params[0]], lr=0.5), SGD([params[1]], lr=0.5)
+    scaler = open_step(face(init_scale=2.0, growth_interval=1000))
+    grads = [[np.full(4, 2.0, np.float32)], [np.full(4, 4.0, np.float32)]]
+    outcome: dict[str, Any] = {}
+
+    def stepping() -> None:
+        try:
+            outcome["step"] = scaler.step([first, second], grads)
+        except Exception as error:
+            outcome["step"] = error
+
+    def updating() -> None:
+        try:
+            scaler.update()
+            outcome["update"] = "done"
+        except Exception as error:
+            outcome["update"] = error
+
+    stepper = threading.Thread(target=stepping)
+    stepper.start()
+    assert entered.wait(30)
+    updater = threading.Thread(target=updating)
+    updater.start()
+    updater.join(0.3)
+    blocked = updater.is_alive()  # it waits for scaler.step, which holds the scaler
+    release.set()
+    stepper.join(30)
+    updater.join(30)
+    assert not isinstance(outcome["step"], Exception), outcome["step"]
+    assert blocked
+    assert outcome["update"] == "done"
+    assert params[0].tolist() == [0.5] * 4  # 1 - 0.5 * 2 / 2
+    assert params[1].tolist() == [0.0] * 4  # 1 - 0.5 * 4 / 2: both optimizers applied the step
+    assert scaler.stats().steps == 1
