@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp.ballot import JOINED, JOINING, NOT_JOINED, Ballot
+from cupy_amp.call_lock import CallLock
 from cupy_amp.claims import StepClaims
 from cupy_amp.distributed import (
     AFTER,
@@ -71,10 +72,16 @@ class CallRecord(NamedTuple):
     culprits: tuple[int, ...] | None  # positions known on the host; None: read from the state when asked
 
 
+_REENTRY = (
+    "The scaler was called from inside one of its own calls (a communicator's callback, a generator passed as "
+    "gradients, a signal handler); wait for the call in progress to return."
+)
+
+
 class Step:
     """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
 
-    __slots__ = ("_answered", "_lock", "_owner", "broken", "claims", "number", "phase", "poison_sender", "records")
+    __slots__ = ("_answered", "_lock", "broken", "claims", "number", "phase", "poison_sender", "records")
 
     def __init__(self) -> None:
         self.phase = IDLE
@@ -83,8 +90,7 @@ class Step:
         self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
         self.broken: RanksMayDisagreeError | None = None  # once set, every later call raises it
         self.poison_sender: threading.Thread | None = None  # the thread that sent this rank's poisoned vote
-        self._lock = threading.Lock()
-        self._owner: int | None = None
+        self._lock = CallLock()
         self._answered: GradientScope | None = None  # the running call's gradient scope, once its collective answered
 
     def refuse_if_broken(self) -> None:
@@ -99,29 +105,14 @@ class Step:
 
     @contextlib.contextmanager
     def call(self) -> Iterator[None]:
-        """Hold the scaler's lock for one call; a thread waits for another thread's call.
-
-        The same thread calling in again (from a communicator's callback, a
-        generator passed as gradients, a signal handler) would deadlock or
-        interleave two calls' steps: that raises instead, as does any call of a
-        poisoned scaler. The lock is the ``with`` statement's own (acquired and
-        released in C), so no interrupt can leave it held; a stale owner is
-        harmless, since it is only read while the lock is held.
-        """
-        me = threading.get_ident()
-        if self._owner == me and self._lock.locked():
-            raise ScalerProtocolError(
-                "The scaler was called from inside one of its own calls (a communicator's callback, a generator "
-                "passed as gradients, a signal handler); wait for the call in progress to return."
-            )
-        with self._lock:
-            self._owner, self._answered = me, None
+        """Hold the scaler for one call (:class:`~cupy_amp.call_lock.CallLock`): another thread's call waits, a call
+        from inside one on the same thread raises, and so does any call of a poisoned scaler."""
+        with self._lock.held(_REENTRY):
+            self._answered = None
             try:
                 self.refuse_if_broken()
                 yield
-                self._owner = None
             except BaseException as error:
-                self._owner = None
                 if self._answered is not None:  # a check answered, then its result was lost (or its optimizers failed)
                     self._lost_answer(self._answered, error)
                 raise

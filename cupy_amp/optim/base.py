@@ -17,12 +17,12 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import threading
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any, ClassVar
 
 import numpy as np
 
+from cupy_amp.call_lock import CallLock
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import (
     ArgumentTypeError,
@@ -33,8 +33,6 @@ from cupy_amp.optim import arguments, state_file
 from cupy_amp.record import GradientStats
 
 __all__ = ["FusedOptimizer", "hyperparameter"]
-
-_T = TypeVar("_T")
 
 
 class _Missing:
@@ -82,8 +80,7 @@ class FusedOptimizer:
                 name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
                 for name in self._layout.moments
             }
-        self._lock = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
-        self._busy = threading.Lock()  # held while a call runs: seen held by its own thread, it means re-entry
+        self._lock = CallLock()
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
         self._record = np.zeros((), dtype=self._layout.record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
@@ -146,7 +143,8 @@ class FusedOptimizer:
     @lr.setter
     def lr(self, value: float) -> None:
         lr = hyperparameter("lr", value, "lr")
-        self._exclusive("lr", lambda: self._set_lr(lr))
+        with self._alone("lr"):
+            self._set_lr(lr)
 
     def _set_lr(self, lr: float) -> None:
         if self._device_record is not None:
@@ -169,25 +167,13 @@ class FusedOptimizer:
 
     # One call at a time.
 
-    def _exclusive(self, name: str, call: Callable[[], _T]) -> _T:
-        """Return ``call()``, run while no other call of this optimizer runs (other threads wait).
-
-        Raises:
-            ScalerProtocolError: This thread is already inside a call of this optimizer.
-        """
-        # Each lock's `with` and its body are one line. CPython traces a `with` line a second time on leaving the
-        # block, just before the lock's (C) __exit__ runs; an exception raised there would leave the lock held.
-        # On one line there is no such event, and an exception from inside ``call`` always reaches the __exit__.
-        with self._lock: return self._alone(name, call)  # noqa: E701  # fmt: skip
-
-    def _alone(self, name: str, call: Callable[[], _T]) -> _T:
-        if self._busy.locked():  # only the thread holding _lock gets here: an outer call of this thread holds _busy
-            raise ScalerProtocolError(
-                f"{type(self).__name__}.{name} was called while another call of this optimizer runs on the same "
-                "thread (from a signal handler or a callback?); it would wait for that call forever. Call it after "
-                "the running call returns (for a save on Ctrl-C: in an `except KeyboardInterrupt:` clause)."
-            )
-        with self._busy: return call()  # noqa: E701  # fmt: skip
+    def _alone(self, name: str) -> contextlib.AbstractContextManager[None]:
+        """Hold this optimizer for the call ``name`` (the message names it if this thread is inside a call)."""
+        return self._lock.held(
+            f"{type(self).__name__}.{name} was called while another call of this optimizer runs on the same "
+            "thread (from a signal handler or a callback?); it would wait for that call forever. Call it after "
+            "the running call returns (for a save on Ctrl-C: in an `except KeyboardInterrupt:` clause)."
+        )
 
     def _refuse_torn(self, name: str) -> None:
         if self._torn is not None:
@@ -232,7 +218,8 @@ class FusedOptimizer:
             )
         grads = list(gradients)
         arguments.expect_stats(stats, self._device)
-        self._exclusive("step()", lambda: self._step(grads, stats))
+        with self._alone("step()"):
+            self._step(grads, stats)
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
@@ -325,7 +312,8 @@ class FusedOptimizer:
             ScalerProtocolError: A step or load was interrupted while writing
                 (until a load succeeds), or this thread is inside another call of this optimizer.
         """
-        return self._exclusive("state_dict()", lambda: self._state_dict("state_dict()"))
+        with self._alone("state_dict()"):
+            return self._state_dict("state_dict()")
 
     def _state_dict(self, name: str) -> dict[str, Any]:
         self._refuse_torn(name)
@@ -353,10 +341,8 @@ class FusedOptimizer:
             ScalerProtocolError: This thread is inside another call of this optimizer.
         """
         record, buffers = self._validated(state)
-        self._exclusive("load_state_dict()", lambda: self._load(record, buffers))
-
-    def _load(self, record: np.ndarray, buffers: dict[str, list[bytes | None]]) -> None:
-        with self._on_device(): self._write(record, buffers)  # noqa: E701  # fmt: skip
+        with self._alone("load_state_dict()"), self._on_device():
+            self._write(record, buffers)
 
     def _write(self, record: np.ndarray, buffers: dict[str, list[bytes | None]]) -> None:
         if self._device_record is not None:
@@ -415,7 +401,9 @@ class FusedOptimizer:
                 another call of this optimizer on the same thread); nothing is written.
             OSError: The file cannot be written (``path`` keeps its old content).
         """
-        state_file.write(path, self._exclusive("save()", lambda: self._state_dict("save()")))
+        with self._alone("save()"):
+            state = self._state_dict("save()")
+        state_file.write(path, state)
 
     def load(self, path: str | os.PathLike[str]) -> None:
         """Read a file written by :meth:`save` into this optimizer; nothing changes unless it is intact and fits.
