@@ -48,6 +48,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import weakref
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -144,6 +145,9 @@ class Attachment:
         self._checked = False  # the gradients were checked; update() of the scaler is due
         self._finite = True
         self._masters: list[_Master] = []  # float16 parameters standing as their masters until the step ends
+        # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
+        # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
+        self._left: list[tuple[Any, weakref.ref[Any]]] = []
         if optimizer.target is not None:
             for param in optimizer.target.params():
                 param._loss_scale = None  # stamps of backward passes made before attaching
@@ -185,6 +189,8 @@ class Attachment:
         """
         if "loss_scale" in kwargs:
             raise ArgumentTypeError("backward() takes no loss_scale: the attached scaler seeds the backward pass.")
+        if not self._seeded:  # the step's first backward: last step's gradients must be gone
+            self._refuse_stale_gradients()
         self._seed(loss)
         loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
 
@@ -234,6 +240,7 @@ class Attachment:
             self._optimizer.__dict__.pop(name, None)
         self._optimizer.__dict__.pop(_MARK, None)
         self._optimizer._loss_scale = None
+        self._left = []
 
     # The seams.
 
@@ -297,6 +304,7 @@ class Attachment:
                 "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
                 "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
             )
+        self._refuse_stale_gradients()
         scale = scaler.scale_factor()
         params = [(name, p) for name, p in optimizer.target.namedparams() if p.array is not None and p.grad is not None]
         self._require_seed(scale, {p._loss_scale for _, p in params} - {None}, params)
@@ -353,6 +361,31 @@ class Attachment:
         with chainer.using_device(device):
             self._scaler.scale_loss(device.xp.ones((), dtype=np.float32))
 
+    def _refuse_stale_gradients(self) -> None:
+        """Refuse gradients that are still the last step's, already unscaled (``cleargrads()`` was forgotten).
+
+        A backward pass adds to them, and the sum, unscaled as a whole, would be
+        ``g1 / scale + g2``. ``zerograds()`` (the arrays kept, filled with zeros)
+        leaves nothing to add: one host read tells it apart.
+        """
+        stale = [param.grad for param, left in self._left if param.grad_var is not None and param.grad_var is left()]
+        if not stale:
+            return
+        xp = self._chainer.backend.get_array_module(stale[0])
+        if not int(sum(xp.count_nonzero(grad) for grad in stale)):
+            return
+        raise ScalerProtocolError(
+            f"{len(stale)} parameter(s) still hold the last step's gradient, already unscaled: a backward pass adds "
+            "to it, and the sum would be unscaled again (g1 / scale + g2). Call model.cleargrads() before each "
+            "step's backward pass, as optimizer.update(lossfun) does."
+        )
+
+    def _leave(self) -> None:
+        """Note each parameter's gradient as this step leaves it (see :meth:`_refuse_stale_gradients`)."""
+        target = self._optimizer.target
+        params = target.params() if target is not None else ()
+        self._left = [(param, weakref.ref(param.grad_var)) for param in params if param.grad_var is not None]
+
     def _is_safe(self) -> bool:
         return self._finite
 
@@ -363,6 +396,7 @@ class Attachment:
         self._scaler.update()
         self._optimizer._loss_scale = self._scaler.scale_factor()
         self._put_back(updated)
+        self._leave()
 
     def _put_back(self, updated: bool) -> None:
         """Make each standing parameter float16 again: its master rounded (after an update) or its old array."""
@@ -382,6 +416,7 @@ class Attachment:
         self._seeded = False
         if self._masters:
             self._put_back(updated=self._finite)
+        self._leave()  # unscaled or not, a retry must start from cleared gradients
         if self._checked:
             self._checked = False
             # A check refused before it counted leaves nothing to end: the scaler refuses update() then.

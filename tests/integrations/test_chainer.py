@@ -378,6 +378,60 @@ def test_a_backward_not_seeded_with_the_scale_is_refused() -> None:
         optimizer.update()
 
 
+def test_a_manual_step_without_cleargrads_is_refused_before_it_adds_last_steps_gradients() -> None:
+    # Without cleargrads() the backward adds the new scaled gradient to last step's unscaled one, and the sum
+    # unscaled as a whole is g1 / S + g2: a wrong update with no error. Refused, naming cleargrads().
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+    model.cleargrads()
+    attachment.backward(model(x, t))
+    optimizer.update()
+    before = arrays(model)
+    with pytest.raises(ScalerProtocolError, match=r"cleargrads\(\) before each step's backward"):
+        attachment.backward(model(x, t))  # no cleargrads() since the last step
+    assert_same_bits(arrays(model), before)
+    assert attachment.scaler.stats().steps == 1  # refused before the step opened
+    model.cleargrads()
+    attachment.backward(model(x, t))
+    optimizer.update()  # the loop goes on once the gradients are cleared
+    assert attachment.scaler.stats().steps == 2
+
+
+def test_chainers_own_seed_refuses_a_gradient_the_backward_did_not_reach_and_nobody_cleared() -> None:
+    # loss.backward(loss_scale=optimizer._loss_scale) opens the step at the check, after the backward: a
+    # parameter that this backward did not reach still holds last step's unscaled gradient, which would be
+    # unscaled (and applied) a second time.
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+    model.cleargrads()
+    model(x, t).backward(loss_scale=optimizer._loss_scale)
+    optimizer.update()
+    before = arrays(model)
+    head = F.cast(model.l2(F.relu(model.l1(x))), "float32")  # l3 takes no part in this loss
+    F.sum(head * head).backward(loss_scale=optimizer._loss_scale)  # model.cleargrads() forgotten
+    with pytest.raises(ScalerProtocolError, match=r"cleargrads\(\)"):
+        optimizer.update()
+    assert_same_bits(arrays(model), before)
+    assert attachment.scaler.stats().steps == 1
+
+
+def test_zerograds_and_a_parameter_the_backward_skips_are_not_stale_gradients() -> None:
+    # zerograds() keeps each gradient array, filled with zeros: nothing of the last step is added.
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+    for _ in range(3):
+        model.zerograds()
+        attachment.backward(model(x, t))
+        optimizer.update()
+    assert attachment.scaler.stats().steps == 3
+
+
 def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
     code = "import sys, cupy_amp, cupy_amp.chainer; sys.exit('chainer' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
