@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
+from cupy_amp.errors import ScalerProtocolError
 
 if TYPE_CHECKING:
     from cupy_amp.chainer.attach import Attachment
 
 __all__ = ["LossScaleExtension"]
+
+logger = logging.getLogger(__name__)
 
 _PRIORITY_WRITER = 300  # chainer.training.PRIORITY_WRITER: runs before the extensions that read the observation
 
@@ -28,7 +32,10 @@ class LossScaleExtension:
     key ``scaler``) and the fp32 masters of float16 parameters (under
     ``fp32_masters/``), which Chainer's own optimizer snapshot leaves out, so a
     resumed run continues bit for bit. Register it on the new trainer before
-    loading a snapshot. It is a plain object with the attributes Chainer reads
+    loading a snapshot: a trainer that resumed without it is refused when it
+    runs. A snapshot made without it (mixed precision added to a run) starts the
+    scaler at its initial scale, with masters from the loaded float16 weights,
+    and logs a warning. It is a plain object with the attributes Chainer reads
     (``trigger``, ``priority``, ``default_name``, ``serialize``), so this
     module imports without Chainer. Never synchronizes the device, except to
     copy the masters when saving or loading.
@@ -40,6 +47,23 @@ class LossScaleExtension:
 
     def __init__(self, attachment: Attachment) -> None:
         self._attachment = attachment
+        self._loaded = False  # a snapshot was loaded through it (holding its state or not)
+
+    def initialize(self, trainer: Any) -> None:
+        """Refuse a trainer that resumed from a snapshot before this extension was registered.
+
+        Raises:
+            ScalerProtocolError: The trainer is past iteration 0, this scaler has taken no step, and no
+                snapshot was loaded through this extension.
+        """
+        iteration = trainer.updater.iteration
+        if iteration > 0 and not self._loaded and self._attachment.scaler.stats().steps == 0:
+            raise ScalerProtocolError(
+                f"The trainer resumed at iteration {iteration}, but this loss-scale extension was not registered "
+                "when the snapshot was loaded, so the scaler's state and the fp32 masters were not restored: the "
+                "scale would restart at its initial value and the masters be rebuilt from float16 weights. Call "
+                "trainer.extend(attachment.extension()) before chainer.serializers.load_npz(path, trainer)."
+            )
 
     def __call__(self, trainer: Any) -> None:
         import chainer
@@ -57,13 +81,36 @@ class LossScaleExtension:
         import chainer
 
         attachment = self._attachment
-        masters = serializer["fp32_masters"]
-        for name, master in attachment.masters():
-            masters(name.lstrip("/"), master.array)  # saved, or loaded into the array in place
         if isinstance(serializer, chainer.serializer.Serializer):
+            masters = serializer["fp32_masters"]
+            for name, master in attachment.masters():
+                masters(name.lstrip("/"), master.array)
             data = attachment.scaler.checkpoint().to_bytes()
             serializer("scaler", np.frombuffer(data, dtype=np.uint8))
-        else:
+            return
+        try:
             stored = serializer("scaler", None)
-            checkpoint = GradScalerCheckpoint.from_bytes(np.asarray(stored, dtype=np.uint8).tobytes())
-            attachment.load_checkpoint(checkpoint)
+        except KeyError:  # Chainer's strict deserializers (a lenient one returns None)
+            stored = None
+        if stored is None:
+            self._start_afresh()
+            return
+        checkpoint = GradScalerCheckpoint.from_bytes(np.asarray(stored, dtype=np.uint8).tobytes())
+        masters = serializer["fp32_masters"]
+        for name, master in attachment.masters():
+            masters(name.lstrip("/"), master.array)  # loaded into the array in place
+        attachment.load_checkpoint(checkpoint)
+        self._loaded = True
+
+    def _start_afresh(self) -> None:
+        """Resume from a snapshot without this extension's state: the masters become the loaded weights."""
+        attachment = self._attachment
+        params = dict(attachment.optimizer.target.namedparams())
+        for name, master in attachment.masters():
+            master.array[...] = params[name].array.astype(np.float32)
+        self._loaded = True
+        logger.warning(
+            "cupy-amp: the snapshot holds no cupy-amp loss-scale state (made without the extension, or under "
+            "another name): the scaler starts at scale %g, and the fp32 masters are the loaded float16 weights.",
+            attachment.scaler.scale_factor(),
+        )

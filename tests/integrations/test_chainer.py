@@ -216,8 +216,9 @@ def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_
 # Resuming from a trainer snapshot.
 
 
-def make_trainer(out: Path, stop: int) -> tuple[Any, Any]:
-    """A Trainer over the spirals (in order: no shuffling state to restore) with the extension; step 4 overflows."""
+def make_trainer(out: Path, stop: int, register: bool = True) -> tuple[Any, Any]:
+    """A Trainer over the spirals (in order: no shuffling state to restore) with the extension (``register``);
+    step 4 overflows."""
     model, optimizer = build()
     attachment = attach(optimizer, GradScaler(init_scale=2.0**12, growth_interval=2))
     x, t = spirals(128)
@@ -231,7 +232,8 @@ def make_trainer(out: Path, stop: int) -> tuple[Any, Any]:
 
     updater = chainer.training.updaters.StandardUpdater(iterator, optimizer, loss_func=loss)
     trainer = chainer.training.Trainer(updater, (stop, "iteration"), out=str(out))
-    trainer.extend(attachment.extension())
+    if register:
+        trainer.extend(attachment.extension())
     return trainer, attachment
 
 
@@ -253,6 +255,42 @@ def test_trainer_snapshot_resumes_scale_counters_and_parameters_bit_for_bit(tmp_
         {name: master.array for name, master in attachment.masters()},
         {name: master.array for name, master in whole_attachment.masters()},
     )
+
+
+def test_an_extension_registered_after_the_snapshot_was_loaded_is_refused(tmp_path: Path) -> None:
+    # load_npz before trainer.extend(...) leaves the scaler at its initial scale and the masters rebuilt from
+    # the float16 weights, silently. The extension sees a trainer resumed without it, and refuses to run.
+    first, _ = make_trainer(tmp_path / "first", 6)
+    first.extend(chainer.training.extensions.snapshot(filename="snap"), trigger=(6, "iteration"))
+    first.run()
+    resumed, attachment = make_trainer(tmp_path / "resumed", 12, register=False)
+    chainer.serializers.load_npz(str(tmp_path / "first" / "snap"), resumed)
+    resumed.extend(attachment.extension())
+    with pytest.raises(ScalerProtocolError, match=r"before chainer.serializers.load_npz"):
+        resumed.run()
+    assert attachment.scaler.stats().steps == 0  # refused before the first step
+
+
+def test_a_snapshot_without_the_extensions_state_starts_the_scaler_afresh_with_a_warning(
+    tmp_path: Path, caplog: Any
+) -> None:
+    # Mixed precision added to a run that had none: the snapshot holds no scaler and no masters. Loaded with
+    # the extension registered first, the scaler starts at its initial scale and the masters are the loaded
+    # float16 weights (not the new model's own), instead of Chainer's bare KeyError.
+    first, _ = make_trainer(tmp_path / "first", 3, register=False)
+    first.extend(chainer.training.extensions.snapshot(filename="snap"), trigger=(3, "iteration"))
+    first.run()
+    resumed, attachment = make_trainer(tmp_path / "resumed", 5)
+    dict(attachment.masters())  # masters made from the new model's weights, before the load
+    with caplog.at_level(logging.WARNING, logger="cupy_amp.chainer.extension"):
+        chainer.serializers.load_npz(str(tmp_path / "first" / "snap"), resumed)
+    assert "holds no cupy-amp loss-scale state" in caplog.text
+    params = dict(attachment.optimizer.target.namedparams())
+    for name, master in attachment.masters():
+        np.testing.assert_array_equal(master.array, params[name].array.astype(np.float32), err_msg=name)
+    assert attachment.scaler.scale_factor() == 2.0**12
+    resumed.run()
+    assert attachment.scaler.stats().steps == 2
 
 
 def test_extension_reports_the_scale_and_skipped_steps(tmp_path: Path) -> None:
