@@ -65,6 +65,8 @@ __all__ = ["Attachment", "attach"]
 logger = logging.getLogger(__name__)
 
 _MARK = "_cupy_amp_attachment"  # the optimizer's attribute that holds its Attachment
+# The optimizer each scaler is attached to (both weak: the optimizer holds the scaler), for one scaler per optimizer.
+_ATTACHED: weakref.WeakKeyDictionary[GradScaler, weakref.ref[Any]] = weakref.WeakKeyDictionary()
 _SEAMS = ("update", "check_nan_in_grads", "is_safe_to_update", "update_loss_scale", "loss_scaling", "set_loss_scale")
 _FLOAT16_MAX = float(np.finfo(np.float16).max)
 
@@ -121,6 +123,14 @@ def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
             "This optimizer already has a cupy-amp scaler attached: two scalers would scale the loss twice and "
             "each unscale once. Call detach() on the first attachment before attaching another scaler."
         )
+    holder = _ATTACHED[scaler]() if scaler in _ATTACHED else None
+    if holder is not None:
+        raise ScalerProtocolError(
+            f"This GradScaler is already attached to another optimizer ({type(holder).__name__}): each "
+            "optimizer's update() is a whole step of its scaler, so one scaler on two optimizers would count two "
+            "steps per iteration. Use one GradScaler per optimizer (a GAN's generator and discriminator each get "
+            "their own), or detach() the first attachment."
+        )
     if optimizer._loss_scaling_is_dynamic or optimizer._loss_scale is not None:
         raise ScalerProtocolError(
             f"This optimizer has Chainer's own loss scaling on (loss_scale={optimizer._loss_scale!r}, from "
@@ -163,6 +173,7 @@ class Attachment:
             setattr(optimizer, name, seam)
         optimizer._loss_scale = scaler.scale_factor()
         setattr(optimizer, _MARK, self)
+        _ATTACHED[scaler] = weakref.ref(optimizer)
 
     @property
     def scaler(self) -> GradScaler:
@@ -241,6 +252,8 @@ class Attachment:
         self._optimizer.__dict__.pop(_MARK, None)
         self._optimizer._loss_scale = None
         self._left = []
+        if self._scaler in _ATTACHED and _ATTACHED[self._scaler]() is self._optimizer:
+            del _ATTACHED[self._scaler]
 
     # The seams.
 

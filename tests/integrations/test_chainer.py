@@ -470,6 +470,27 @@ def test_zerograds_and_a_parameter_the_backward_skips_are_not_stale_gradients() 
     assert attachment.scaler.stats().steps == 3
 
 
+def test_one_scaler_attached_to_two_optimizers_is_refused_and_one_each_works() -> None:
+    # Each optimizer's update() is a whole step of its scaler: one scaler on two optimizers would count two
+    # steps per iteration (growth twice as fast, each overflow counted twice). A GAN's optimizers each get one.
+    generator, generator_optimizer = build()
+    discriminator, discriminator_optimizer = build()
+    scaler = GradScaler(init_scale=2.0**10)
+    first = attach(generator_optimizer, scaler)
+    with pytest.raises(ScalerProtocolError, match=r"one GradScaler per optimizer"):
+        attach(discriminator_optimizer, scaler)
+    assert "update" not in discriminator_optimizer.__dict__  # nothing was set on the refused optimizer
+    first.detach()
+    attach(discriminator_optimizer, scaler)  # free again once detached
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+    attach(generator_optimizer, GradScaler(init_scale=2.0**10))
+    for _ in range(2):
+        generator_optimizer.update(generator, x, t)
+        discriminator_optimizer.update(discriminator, x, t)
+    assert scaler.stats().steps == 2  # one step per iteration
+
+
 def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
     code = "import sys, cupy_amp, cupy_amp.chainer; sys.exit('chainer' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
@@ -488,3 +509,17 @@ def test_example_trains_with_the_extension(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "loss_scale" in done.stdout and "accuracy" in done.stdout
+
+
+def test_an_attached_optimizer_and_its_scaler_are_freed_with_it() -> None:
+    # The record of which optimizer holds a scaler keeps neither alive.
+    import gc
+    import weakref
+
+    model, optimizer = build()
+    scaler = GradScaler()
+    attach(optimizer, scaler)
+    gone = weakref.ref(scaler), weakref.ref(optimizer)
+    del model, optimizer, scaler
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
