@@ -76,7 +76,9 @@ def _chainer() -> Any:
         import chainer
     except ImportError as exc:
         raise ImportError(
-            f"cupy_amp.chainer needs Chainer (pip install chainer==7.8.1, with NumPy < 2): {exc}"
+            "cupy_amp.chainer needs Chainer 7.8.1, which builds only with old setuptools: pip install "
+            '"setuptools<70" wheel "numpy<2", then pip install --no-build-isolation chainer==7.8.1 (on NumPy 2, '
+            f"call cupy_amp.chainer.chainer_on_numpy2() before importing it): {exc}"
         ) from exc
     return chainer
 
@@ -202,7 +204,7 @@ class Attachment:
         if "loss_scale" in kwargs:
             raise ArgumentTypeError("backward() takes no loss_scale: the attached scaler seeds the backward pass.")
         if not self._seeded:  # the step's first backward: last step's gradients must be gone
-            self._refuse_stale_gradients()
+            self._refuse_stale_gradients(checking=False)
         self._seed(loss)
         loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
 
@@ -318,7 +320,7 @@ class Attachment:
                 "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
                 "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
             )
-        self._refuse_stale_gradients()
+        self._refuse_stale_gradients(checking=True)
         scale = scaler.scale_factor()
         params = [(name, p) for name, p in optimizer.target.namedparams() if p.array is not None and p.grad is not None]
         self._require_seed(scale, {p._loss_scale for _, p in params} - {None}, params)
@@ -363,7 +365,11 @@ class Attachment:
             return
         seed = stamps.pop() if len(stamps) == 1 else (1.0 if not stamps else None)
         if seed != scale:
-            how = "a plain loss.backward()" if seed == 1.0 else f"loss_scale values {sorted(stamps)}"
+            how = (
+                "a plain loss.backward(), or no backward pass since the last step"
+                if seed == 1.0
+                else f"loss_scale values {sorted(stamps)}"
+            )
             raise ScalerProtocolError(
                 f"The gradients were not seeded with the loss scale {scale:g} ({how}): they would be unscaled by "
                 "the wrong factor. Use optimizer.update(lossfun, *args), or in a manual loop "
@@ -375,12 +381,14 @@ class Attachment:
         with chainer.using_device(device):
             self._scaler.scale_loss(device.xp.ones((), dtype=np.float32))
 
-    def _refuse_stale_gradients(self) -> None:
+    def _refuse_stale_gradients(self, checking: bool) -> None:
         """Refuse gradients that are still the last step's, already unscaled (``cleargrads()`` was forgotten).
 
         A backward pass adds to them, and the sum, unscaled as a whole, would be
         ``g1 / scale + g2``. ``zerograds()`` (the arrays kept, filled with zeros)
-        leaves nothing to add: one host read tells it apart.
+        leaves nothing to add: one host read tells it apart. At the check
+        (``checking``), every gradient being the last step's means no backward
+        pass ran since: ``update()`` was called twice.
         """
         stale = [param.grad for param, left in self._left if param.grad_var is not None and param.grad_var is left()]
         if not stale:
@@ -388,6 +396,13 @@ class Attachment:
         xp = self._chainer.backend.get_array_module(stale[0])
         if not int(sum(xp.count_nonzero(grad) for grad in stale)):
             return
+        target = self._optimizer.target
+        if checking and len(stale) == sum(1 for param in target.params() if param.grad_var is not None):
+            raise ScalerProtocolError(
+                "optimizer.update() was called again with no backward pass since the last step: every gradient is "
+                "the last step's, already applied. Each step is model.cleargrads(), attachment.backward(loss), "
+                "then one optimizer.update() (or optimizer.update(lossfun, *args), which does all three)."
+            )
         raise ScalerProtocolError(
             f"{len(stale)} parameter(s) still hold the last step's gradient, already unscaled: a backward pass adds "
             "to it, and the sum would be unscaled again (g1 / scale + g2). Call model.cleargrads() before each "
@@ -446,6 +461,6 @@ class Attachment:
     def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:
         raise ScalerProtocolError(
             "This optimizer's loss scaling is done by an attached cupy-amp scaler; Chainer's loss_scaling() / "
-            "set_loss_scale() would scale the gradients a second time. Configure the GradScaler instead, or "
-            "detach() it first."
+            "set_loss_scale() (which StandardUpdater(..., loss_scale=...) calls) would scale the gradients a "
+            "second time. Drop the loss_scale argument and configure the GradScaler instead, or detach() it first."
         )

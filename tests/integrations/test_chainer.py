@@ -5,7 +5,9 @@ Skipped where Chainer is not importable (it needs NumPy < 2; .ci/run has a pass 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import re
 import subprocess
 import sys
 import warnings
@@ -15,6 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
+from cupy_amp.chainer import chainer_on_numpy2
+
+if importlib.util.find_spec("chainer") is not None:  # NumPy is changed only where Chainer will import
+    chainer_on_numpy2()  # Chainer 7.8.1 on NumPy 2 (the GPU machine's CuPy 14); nothing on NumPy 1
 try:
     with warnings.catch_warnings():  # its import warns about numpy.distutils and msvccompiler: not ours to fix
         warnings.simplefilter("ignore", DeprecationWarning)
@@ -436,8 +442,24 @@ def test_a_backward_not_seeded_with_the_scale_is_refused() -> None:
     x, t = spirals(16)
     model.cleargrads()
     model(x.astype(np.float16), t).backward()
-    with pytest.raises(ScalerProtocolError, match=r"not seeded with the loss scale 1024 \(a plain loss.backward\(\)\)"):
+    with pytest.raises(ScalerProtocolError, match=r"not seeded with the loss scale 1024 \(a plain loss.backward\(\)"):
         optimizer.update()
+
+
+def test_update_twice_in_a_step_is_refused_as_such() -> None:
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    model.cleargrads()
+    attachment.backward(model(x.astype(np.float16), t))
+    optimizer.update()
+    before = arrays(model)
+    with pytest.raises(ScalerProtocolError, match=r"update\(\) was called again with no backward pass"):
+        optimizer.update()
+    assert_same_bits(arrays(model), before)
+    model.cleargrads()
+    with pytest.raises(ScalerProtocolError, match=r"or no backward pass since the last step"):
+        optimizer.update()  # cleared, and still no backward
 
 
 def test_a_manual_step_without_cleargrads_is_refused_before_it_adds_last_steps_gradients() -> None:
@@ -515,6 +537,14 @@ def test_one_scaler_attached_to_two_optimizers_is_refused_and_one_each_works() -
     assert scaler.stats().steps == 2  # one step per iteration
 
 
+def test_a_standard_updater_with_loss_scale_is_refused_naming_its_argument() -> None:
+    model, optimizer = build()
+    attach(optimizer, GradScaler())
+    iterator = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(*spirals(8)), 4)
+    with pytest.raises(ScalerProtocolError, match=r"StandardUpdater\(\.\.\., loss_scale=\.\.\.\)"):
+        chainer.training.updaters.StandardUpdater(iterator, optimizer, loss_scale=128)
+
+
 def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
     code = "import sys, cupy_amp, cupy_amp.chainer; sys.exit('chainer' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO, check=False).returncode == 0
@@ -524,7 +554,7 @@ def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
 def test_example_trains_with_the_extension(tmp_path: Path) -> None:
     script = REPO / "examples" / "chainer_train.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--epochs", "2", "--out", str(tmp_path)],
+        [sys.executable, str(script), "--epochs", "2", "--device", "cpu", "--out", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
@@ -533,6 +563,7 @@ def test_example_trains_with_the_extension(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "loss_scale" in done.stdout and "accuracy" in done.stdout
+    assert re.search(r"^\d+ steps in [\d.]+ s: \d+ steps/s on @numpy$", done.stdout, re.MULTILINE), done.stdout
 
 
 def test_an_attached_optimizer_and_its_scaler_are_freed_with_it() -> None:
