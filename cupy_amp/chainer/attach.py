@@ -156,7 +156,6 @@ class Attachment:
         self._seeded = False  # this step's loss was seeded through _seed (scale_loss was called)
         self._checked = False  # the gradients were checked; update() of the scaler is due
         self._finite = True
-        self._uncounted = False  # a skipped step's count in optimizer.t is taken back (once per step)
         self._masters: list[_Master] = []  # float16 parameters standing as their masters until the step ends
         # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
         # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
@@ -337,7 +336,7 @@ class Attachment:
                 gradients[name] = param.grad
         self._seeded, self._checked = False, True
         finite = scaler.unscale_and_check(gradients)  # the step's one host read
-        self._finite, self._uncounted = finite, False
+        self._finite = finite
         for _, param in params:
             param._loss_scale = None  # the gradients are unscaled: nothing downstream may divide again
         for stand_in, copy in standing:
@@ -416,11 +415,6 @@ class Attachment:
         self._left = [(param, weakref.ref(param.grad_var)) for param in params if param.grad_var is not None]
 
     def _is_safe(self) -> bool:
-        """The check's verdict. Chainer has just counted the step in ``optimizer.t``; a skipped step is no
-        update, so it is taken back: ``t`` stays with the update rules' own ``t`` (Adam's reported ``lr``)."""
-        if self._checked and not self._finite and not self._uncounted:
-            self._optimizer.t -= 1
-            self._uncounted = True
         return self._finite
 
     def _end_step(self) -> None:
