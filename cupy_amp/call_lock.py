@@ -3,13 +3,22 @@
 Other threads wait their turn. The same thread calling in again (from a signal
 handler, a communicator's callback, a generator passed as an argument) would
 wait for itself forever or interleave two calls: that raises instead.
+
+Written at each call site as two ``with`` statements on the locks themselves::
+
+    with lock.turn:
+        lock.refuse_reentry(message)
+        with lock.busy:
+            ...
+
+The locks' ``__enter__``/``__exit__`` run in C, so no interrupt can leave one
+held: a Python context manager in between (a generator, a class) would have
+a window after the lock is taken and before the block is entered.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 
 from cupy_amp.errors import ScalerProtocolError
 
@@ -19,26 +28,21 @@ __all__ = ["CallLock"]
 class CallLock:
     """Serializes the calls of one object and refuses a call from inside another on the same thread.
 
-    Both locks are the ``with`` statements' own, acquired and released in C,
-    and no other state is kept: no interrupt can leave it held or
-    believing a call runs.
+    Attributes:
+        turn: Reentrant: other threads wait here; this thread passes, to be refused by :meth:`refuse_reentry`.
+        busy: Held while a call runs.
     """
 
-    __slots__ = ("_busy", "_turn")
+    __slots__ = ("busy", "turn")
 
     def __init__(self) -> None:
-        self._turn = threading.RLock()  # other threads wait here; this thread passes, to be refused by _busy
-        self._busy = threading.Lock()  # held while a call runs
+        self.turn = threading.RLock()
+        self.busy = threading.Lock()
 
-    @contextlib.contextmanager
-    def held(self, reentry: str) -> Iterator[None]:
-        """Hold the lock for one call.
+    def refuse_reentry(self, message: str) -> None:
+        """Raise ``ScalerProtocolError(message)`` if this thread, holding :attr:`turn`, is already inside a call.
 
-        Raises:
-            ScalerProtocolError: With the message ``reentry``, when this thread is already inside a call.
+        Only the thread holding ``turn`` gets here, so ``busy`` held means its own outer call holds it.
         """
-        with self._turn:
-            if self._busy.locked():  # only the thread holding _turn gets here: its own outer call holds _busy
-                raise ScalerProtocolError(reentry)
-            with self._busy:
-                yield
+        if self.busy.locked():
+            raise ScalerProtocolError(message)

@@ -107,15 +107,17 @@ class Step:
     def call(self) -> Iterator[None]:
         """Hold the scaler for one call (:class:`~cupy_amp.call_lock.CallLock`): another thread's call waits, a call
         from inside one on the same thread raises, and so does any call of a poisoned scaler."""
-        with self._lock.held(_REENTRY):
-            self._answered = None
-            try:
-                self.refuse_if_broken()
-                yield
-            except BaseException as error:
-                if self._answered is not None:  # a check answered, then its result was lost (or its optimizers failed)
-                    self._lost_answer(self._answered, error)
-                raise
+        with self._lock.turn:
+            self._lock.refuse_reentry(_REENTRY)
+            with self._lock.busy:
+                self._answered = None
+                try:
+                    self.refuse_if_broken()
+                    yield
+                except BaseException as error:
+                    if self._answered is not None:  # a check answered; its result was lost, or its optimizers failed
+                        self._lost_answer(self._answered, error)
+                    raise
 
     def _lost_answer(self, scope: GradientScope, error: BaseException) -> None:
         """Poison a call that completed with the verdict "apply" but raised before returning it.

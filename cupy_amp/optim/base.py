@@ -143,8 +143,10 @@ class FusedOptimizer:
     @lr.setter
     def lr(self, value: float) -> None:
         lr = hyperparameter("lr", value, "lr")
-        with self._alone("lr"):
-            self._set_lr(lr)
+        with self._lock.turn:
+            self._refuse_reentry("lr")
+            with self._lock.busy:
+                self._set_lr(lr)
 
     def _set_lr(self, lr: float) -> None:
         if self._device_record is not None:
@@ -167,9 +169,9 @@ class FusedOptimizer:
 
     # One call at a time.
 
-    def _alone(self, name: str) -> contextlib.AbstractContextManager[None]:
-        """Hold this optimizer for the call ``name`` (the message names it if this thread is inside a call)."""
-        return self._lock.held(
+    def _refuse_reentry(self, name: str) -> None:
+        """Refuse the call ``name`` from inside another call of this optimizer on the same thread."""
+        self._lock.refuse_reentry(
             f"{type(self).__name__}.{name} was called while another call of this optimizer runs on the same "
             "thread (from a signal handler or a callback?); it would wait for that call forever. Call it after "
             "the running call returns (for a save on Ctrl-C: in an `except KeyboardInterrupt:` clause)."
@@ -218,8 +220,10 @@ class FusedOptimizer:
             )
         grads = list(gradients)
         arguments.expect_stats(stats, self._device)
-        with self._alone("step()"):
-            self._step(grads, stats)
+        with self._lock.turn:
+            self._refuse_reentry("step()")
+            with self._lock.busy:
+                self._step(grads, stats)
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
@@ -312,8 +316,10 @@ class FusedOptimizer:
             ScalerProtocolError: A step or load was interrupted while writing
                 (until a load succeeds), or this thread is inside another call of this optimizer.
         """
-        with self._alone("state_dict()"):
-            return self._state_dict("state_dict()")
+        with self._lock.turn:
+            self._refuse_reentry("state_dict()")
+            with self._lock.busy:
+                return self._state_dict("state_dict()")
 
     def _state_dict(self, name: str) -> dict[str, Any]:
         self._refuse_torn(name)
@@ -341,8 +347,10 @@ class FusedOptimizer:
             ScalerProtocolError: This thread is inside another call of this optimizer.
         """
         record, buffers = self._validated(state)
-        with self._alone("load_state_dict()"), self._on_device():
-            self._write(record, buffers)
+        with self._lock.turn:
+            self._refuse_reentry("load_state_dict()")
+            with self._lock.busy, self._on_device():
+                self._write(record, buffers)
 
     def _write(self, record: np.ndarray, buffers: dict[str, list[bytes | None]]) -> None:
         if self._device_record is not None:
@@ -401,8 +409,10 @@ class FusedOptimizer:
                 another call of this optimizer on the same thread); nothing is written.
             OSError: The file cannot be written (``path`` keeps its old content).
         """
-        with self._alone("save()"):
-            state = self._state_dict("save()")
+        with self._lock.turn:
+            self._refuse_reentry("save()")
+            with self._lock.busy:
+                state = self._state_dict("save()")
         state_file.write(path, state)
 
     def load(self, path: str | os.PathLike[str]) -> None:

@@ -11,7 +11,9 @@ the old one or the new one; no lock is left held.
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -208,3 +210,42 @@ def test_a_call_from_inside_a_running_one_on_the_same_thread_is_refused_instead_
         if not reached[0]:
             break
     assert {"saved", "refused"} <= set(nested) and nested.count("refused") > 50
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+def test_a_real_interrupt_anywhere_leaves_no_lock_held_for_the_save_in_the_except_clause() -> None:
+    # Real signals land between any two bytecodes, where the traced sweep above does not look: inside a
+    # Python context manager's __enter__, after its lock was taken. The save that the re-entry error
+    # recommends (in an `except KeyboardInterrupt:` clause) must never find the lock held.
+    opt = SGD([np.zeros(4, np.float32)], lr=0.1)
+    armed = False
+
+    def handler(signum: int, frame: Any) -> None:
+        if armed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    interrupts, refused = 0, []
+    deadline = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                armed = True
+                signal.setitimer(signal.ITIMER_REAL, 0.0002)
+                for _ in range(50):
+                    opt.state_dict()
+                armed = False
+            except KeyboardInterrupt:
+                armed = False
+                interrupts += 1
+                try:
+                    opt.state_dict()
+                except ScalerProtocolError as error:
+                    refused.append(str(error))
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
+    assert refused == []
