@@ -47,10 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import logging
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -83,12 +84,15 @@ def _chainer() -> Any:
     return chainer
 
 
-class _Master(NamedTuple):
+class _StandIn:
     """A float16 parameter that is its fp32 master for the rest of the step."""
 
-    param: Any
-    master: Any  # the rule's _fp32_param
-    array: Any  # the parameter's own float16 array, put back after a skipped step
+    __slots__ = ("array", "grad", "master", "param")
+
+    def __init__(self, param: Any, master: Any, grad: Any) -> None:
+        self.param, self.master = param, master  # master: the rule's _fp32_param
+        self.array = param.array  # its own float16 array, put back after a skipped step
+        self.grad = grad  # the float32 gradient it carries (what the hooks left is read back at the end)
 
 
 def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
@@ -125,6 +129,8 @@ def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
             "This optimizer already has a cupy-amp scaler attached: two scalers would scale the loss twice and "
             "each unscale once. Call detach() on the first attachment before attaching another scaler."
         )
+    if scaler in _ATTACHED and _ATTACHED[scaler]() is not None:
+        gc.collect()  # an optimizer and its attachment hold each other: a dropped one waits for the collector
     holder = _ATTACHED[scaler]() if scaler in _ATTACHED else None
     if holder is not None:
         raise ScalerProtocolError(
@@ -156,7 +162,9 @@ class Attachment:
         self._seeded = False  # this step's loss was seeded through _seed (scale_loss was called)
         self._checked = False  # the gradients were checked; update() of the scaler is due
         self._finite = True
-        self._masters: list[_Master] = []  # float16 parameters standing as their masters until the step ends
+        self._masters: list[_StandIn] = []  # float16 parameters standing as their masters until the step ends
+        self._clear_at_end = False  # Chainer's own seed opened the step: the gradients are cleared when it ends
+        self._attached_at = optimizer.t  # the optimizer's step count when attached
         # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
         # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
         self._left: list[tuple[Any, weakref.ref[Any]]] = []
@@ -187,6 +195,11 @@ class Attachment:
         """The Chainer optimizer it is attached to."""
         return self._optimizer
 
+    @property
+    def attached_at(self) -> int:
+        """The optimizer's step count (``optimizer.t``) when the scaler was attached."""
+        return int(self._attached_at)
+
     def backward(self, loss: Any, **kwargs: Any) -> None:
         """Run ``loss.backward(**kwargs)`` seeded with the scale: the manual loop's backward pass.
 
@@ -216,18 +229,30 @@ class Attachment:
     def masters(self) -> Iterator[tuple[str, Any]]:
         """Yield (name, fp32 master ``Parameter``) of every float16 parameter updated in fp32, creating missing ones.
 
-        A master is created as Chainer creates it (the parameter cast to float32).
+        A master is created as Chainer creates it (the parameter cast to float32). A parameter whose update
+        rule is disabled (a frozen layer) is left out.
         """
-        target = self._optimizer.target
-        for name, param in target.namedparams() if target is not None else ():
-            rule = getattr(param, "update_rule", None)
-            if rule is None or not rule.enabled or not rule._use_fp32_update or param.array is None:
+        for name, param in self.master_slots():
+            rule = param.update_rule
+            if not rule.enabled:
                 continue
             if rule._fp32_param is None:
                 if param.dtype != np.float16:
                     continue
                 rule._fp32_param = self._chainer.Parameter(param.array.astype(np.float32), name=param.name)
             yield name, rule._fp32_param
+
+    def master_slots(self) -> Iterator[tuple[str, Any]]:
+        """Yield (name, parameter) of every parameter updated in fp32 (frozen ones too), each once: those that
+        have, or may get, a master. A snapshot keeps the masters they have."""
+        target = self._optimizer.target
+        seen: set[int] = set()
+        for name, param in target.namedparams() if target is not None else ():
+            rule = getattr(param, "update_rule", None)
+            if id(param) in seen or rule is None or not rule._use_fp32_update or param.array is None:
+                continue  # a link registered twice (shared weights) has one master
+            seen.add(id(param))
+            yield name, param
 
     def load_checkpoint(self, checkpoint: Any) -> None:
         """Load a scaler checkpoint between steps and seed the next backward pass with its scale.
@@ -321,17 +346,16 @@ class Attachment:
             )
         self._refuse_stale_gradients(checking=True)
         scale = scaler.scale_factor()
-        params = [(name, p) for name, p in optimizer.target.namedparams() if p.array is not None and p.grad is not None]
+        params = _unique(optimizer.target.namedparams())
         self._require_seed(scale, {p._loss_scale for _, p in params} - {None}, params)
         masters = dict(self.masters())
         gradients: dict[str, Any] = {}
-        standing: list[tuple[_Master, Any]] = []
+        standing: list[_StandIn] = []
         for name, param in params:
             master = masters.get(name)
             if master is not None and param.dtype == np.float16:
-                copy = param.grad.astype(np.float32)  # unscaled below, in float32
-                standing.append((_Master(param, master, param.array), copy))
-                gradients[name] = copy
+                standing.append(_StandIn(param, master, param.grad.astype(np.float32)))  # unscaled below
+                gradients[name] = standing[-1].grad
             else:
                 gradients[name] = param.grad
         self._seeded, self._checked = False, True
@@ -339,11 +363,10 @@ class Attachment:
         self._finite = finite
         for _, param in params:
             param._loss_scale = None  # the gradients are unscaled: nothing downstream may divide again
-        for stand_in, copy in standing:
-            param = stand_in.param
-            param.array = stand_in.master.array
-            param.grad = copy
-            self._masters.append(stand_in)
+        for stand_in in standing:
+            self._masters.append(stand_in)  # first: an interrupt while it is swapped in still puts it back
+            stand_in.param.array = stand_in.master.array
+            stand_in.param.grad = stand_in.grad
         if not finite:
             logger.warning(
                 "cupy-amp: skipping step %d: inf/nan in the gradients of %s (loss scale %g)",
@@ -379,6 +402,9 @@ class Attachment:
         device = params[0][1].device if params else chainer.get_device("@numpy")
         with chainer.using_device(device):
             self._scaler.scale_loss(device.xp.ones((), dtype=np.float32))
+        # Its backward has run before this check sees the gradients, so a forgotten cleargrads() could not be
+        # seen at the next step: the gradients are cleared when this one ends.
+        self._clear_at_end = True
 
     def _refuse_stale_gradients(self, checking: bool) -> None:
         """Refuse gradients that are still the last step's, already unscaled (``cleargrads()`` was forgotten).
@@ -418,39 +444,56 @@ class Attachment:
         return self._finite
 
     def _end_step(self) -> None:
-        """End the step: the scaler adapts, the next backward gets the new scale, float16 parameters come back."""
-        updated = self._finite
-        self._checked = False
+        """End the step: the scaler adapts, the next backward gets the new scale, float16 parameters come back.
+
+        Each part can be run again after an interrupt (by :meth:`_abandon`): the scaler's step is marked
+        ended only once ``update()`` returned, and the parameters are put back one by one.
+        """
         self._scaler.update()
+        self._checked = False
         self._optimizer._loss_scale = self._scaler.scale_factor()
-        self._put_back(updated)
+        self._finish_parameters()
+
+    def _finish_parameters(self) -> None:
+        """Put the standing parameters back, clear the gradients of a step Chainer seeded, note what is left."""
+        self._put_back(updated=self._finite)
+        if self._clear_at_end:
+            target = self._optimizer.target
+            for param in target.params() if target is not None else ():
+                param.cleargrad()
+            self._clear_at_end = False
         self._leave()
 
     def _put_back(self, updated: bool) -> None:
-        """Make each standing parameter float16 again: its master rounded (after an update) or its old array."""
-        standing, self._masters = self._masters, []
-        for stand_in in standing:
+        """Make each standing parameter float16 again: its master rounded (after an update) or its old array.
+
+        One at a time, each removed once it is back, and each part safe to run again: an interrupt leaves
+        the rest for the next call.
+        """
+        while self._masters:
+            stand_in = self._masters[-1]
             param, master = stand_in.param, stand_in.master
-            gradient = param.grad
-            param.grad = None
-            if updated:
-                master.array = param.array  # the rule may have replaced the array rather than written it
-            param.array = master.array.astype(np.float16) if updated else stand_in.array
-            if gradient is not None:
-                param.grad = gradient.astype(np.float16)
+            if param.array is not None and param.array.dtype != stand_in.array.dtype:  # still the master's float32
+                if param.grad is not None:
+                    stand_in.grad = param.grad  # as the hooks and the rule left it
+                param.grad = None
+                if updated:
+                    master.array = param.array  # the rule may have replaced the array rather than written it
+                param.array = master.array.astype(np.float16) if updated else stand_in.array
+            if param.grad is None and stand_in.grad is not None:
+                param.grad = stand_in.grad.astype(np.float16)
+            self._masters.pop()
 
     def _abandon(self) -> None:
-        """After an exception inside ``update()``: put the parameters back and end the scaler's step."""
+        """After an exception inside ``update()``: end the scaler's step and put the parameters back."""
         self._seeded = False
-        if self._masters:
-            self._put_back(updated=self._finite)
-        self._leave()  # unscaled or not, a retry must start from cleared gradients
         if self._checked:
-            self._checked = False
             # A check refused before it counted leaves nothing to end: the scaler refuses update() then.
             with contextlib.suppress(ScalerProtocolError):
                 self._scaler.update()
+            self._checked = False
             self._optimizer._loss_scale = self._scaler.scale_factor()
+        self._finish_parameters()  # unscaled or not, a retry must start from cleared gradients
 
     def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:
         raise ScalerProtocolError(
@@ -458,3 +501,14 @@ class Attachment:
             "set_loss_scale() (which StandardUpdater(..., loss_scale=...) calls) would scale the gradients a "
             "second time. Drop the loss_scale argument and configure the GradScaler instead, or detach() it first."
         )
+
+
+def _unique(named: Iterator[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """The parameters with an array and a gradient, each once (a link registered twice shares its parameters)."""
+    seen: set[int] = set()
+    params = []
+    for name, param in named:
+        if param.array is not None and param.grad is not None and id(param) not in seen:
+            seen.add(id(param))
+            params.append((name, param))
+    return params

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
-from cupy_amp.errors import ScalerProtocolError
+from cupy_amp.errors import CheckpointFieldError, ScalerProtocolError
 
 if TYPE_CHECKING:
     from cupy_amp.chainer.attach import Attachment
@@ -53,11 +53,15 @@ class LossScaleExtension:
         """Refuse a trainer that resumed from a snapshot before this extension was registered.
 
         Raises:
-            ScalerProtocolError: The trainer is past iteration 0, this scaler has taken no step, and no
-                snapshot was loaded through this extension.
+            ScalerProtocolError: The optimizer's step count changed since the scaler was attached (a
+                snapshot was loaded into it), this scaler has taken no step, and no snapshot was loaded
+                through this extension. (A scaler attached to an optimizer that had trained already, in
+                this process, is not refused: its count is the one it had when attached.)
         """
         iteration = trainer.updater.iteration
-        if iteration > 0 and not self._loaded and self._attachment.scaler.stats().steps == 0:
+        attachment = self._attachment
+        moved = attachment.optimizer.t != attachment.attached_at
+        if iteration > 0 and moved and not self._loaded and attachment.scaler.stats().steps == 0:
             raise ScalerProtocolError(
                 f"The trainer resumed at iteration {iteration}, but this loss-scale extension was not registered "
                 "when the snapshot was loaded, so the scaler's state and the fp32 masters were not restored: the "
@@ -83,8 +87,9 @@ class LossScaleExtension:
         attachment = self._attachment
         if isinstance(serializer, chainer.serializer.Serializer):
             masters = serializer["fp32_masters"]
-            for name, master in attachment.masters():
-                masters(name.lstrip("/"), master.array)
+            for name, param in attachment.master_slots():
+                if param.update_rule._fp32_param is not None:  # a frozen layer's too: it trains again later
+                    masters(name.lstrip("/"), param.update_rule._fp32_param.array)
             data = attachment.scaler.checkpoint().to_bytes()
             serializer("scaler", np.frombuffer(data, dtype=np.uint8))
             return
@@ -97,20 +102,58 @@ class LossScaleExtension:
             return
         checkpoint = GradScalerCheckpoint.from_bytes(np.asarray(stored, dtype=np.uint8).tobytes())
         masters = serializer["fp32_masters"]
-        for name, master in attachment.masters():
-            masters(name.lstrip("/"), master.array)  # loaded into the array in place
+        loaded = []
+        for name, param in attachment.master_slots():
+            try:
+                array = masters(name.lstrip("/"), None)
+            except KeyError:
+                array = None
+            loaded.append((param, None if array is None else _master_array(name, param, array)))
+        for param, array in loaded:  # every master read and checked before any is set
+            _set_master(chainer, param, array)
         attachment.load_checkpoint(checkpoint)
         self._loaded = True
 
     def _start_afresh(self) -> None:
         """Resume from a snapshot without this extension's state: the masters become the loaded weights."""
+        import chainer
+
         attachment = self._attachment
-        params = dict(attachment.optimizer.target.namedparams())
-        for name, master in attachment.masters():
-            master.array[...] = params[name].array.astype(np.float32)
+        for _, param in attachment.master_slots():
+            _set_master(chainer, param, None)
         self._loaded = True
         logger.warning(
             "cupy-amp: the snapshot holds no cupy-amp loss-scale state (made without the extension, or under "
             "another name): the scaler starts at scale %g, and the fp32 masters are the loaded float16 weights.",
             attachment.scaler.scale_factor(),
         )
+
+
+def _master_array(name: str, param: Any, stored: Any) -> Any:
+    """The stored master of ``param`` as a float32 array where the parameter is.
+
+    Raises:
+        CheckpointFieldError: It does not have the parameter's shape.
+    """
+    stored = np.asarray(stored)
+    if stored.shape != param.shape:
+        raise CheckpointFieldError(
+            f"Invalid fp32 master of {name!r}: expected shape {param.shape} (its parameter's), got {stored.shape}."
+        )
+    return param.device.send(stored.astype(np.float32))
+
+
+def _set_master(chainer: Any, param: Any, array: Any) -> None:
+    """Make ``array`` the master of ``param``; None: the snapshot held none (none existed when it was saved).
+
+    Without one, an existing master (made from the new model's own weights) becomes the loaded weights;
+    a missing one is made from them at the next step, as Chainer makes it.
+    """
+    rule = param.update_rule
+    if array is None:
+        if rule._fp32_param is not None:
+            rule._fp32_param.array[...] = param.array.astype(np.float32)
+    elif rule._fp32_param is None:
+        rule._fp32_param = chainer.Parameter(array, name=param.name)
+    else:
+        rule._fp32_param.array[...] = array

@@ -5,6 +5,7 @@ Skipped where Chainer is not importable (it needs NumPy < 2; .ci/run has a pass 
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import re
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from interrupts import interrupted
 
 from cupy_amp.chainer import chainer_on_numpy2
 
@@ -36,6 +38,7 @@ from cupy_amp import GradientValueError, GradScaler, ScalerProtocolError  # noqa
 from cupy_amp.chainer import attach  # noqa: E402
 from cupy_amp.demo.model import load_dataset  # noqa: E402
 from cupy_amp.numpy_backend import HostState  # noqa: E402
+from cupy_amp.step import IDLE, SCALED  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -239,6 +242,48 @@ def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_
     assert attachment.scaler.stats().steps == 2
 
 
+def train_one_step(loop: str, attachment: Any, x: Any, t: Any) -> None:
+    """One training step: Chainer's update(lossfun), or cleargrads, the seeded backward and update()."""
+    optimizer = attachment.optimizer
+    model = optimizer.target
+    if loop == "lossfun":
+        optimizer.update(model, x, t)
+    else:
+        model.cleargrads()
+        attachment.backward(model(x, t))
+        optimizer.update()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loop", ["lossfun", "manual"])
+def test_an_interrupt_at_any_line_of_a_step_leaves_float16_parameters_and_a_scaler_that_goes_on(loop: str) -> None:
+    # A KeyboardInterrupt at the k-th line inside cupy_amp during optimizer.update, for every k: the parameters
+    # are float16 again and equal their masters rounded, no gradient was unscaled without its step being ended,
+    # and the next steps run (after cleargrads, as every step does).
+    x, t = spirals(32)
+    x = x.astype(np.float16)
+    k = 1
+    while True:
+        model, optimizer = build()
+        attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=1))
+        optimizer.update(model, x, t)  # the masters and Adam's state exist
+
+        if not interrupted(functools.partial(train_one_step, loop, attachment, x, t), k):
+            break
+        where = f"interrupted at line {k}"
+        assert all(param.array.dtype == np.float16 for param in model.params()), where
+        params = dict(model.namedparams())
+        for name, master in attachment.masters():
+            np.testing.assert_array_equal(master.array.astype(np.float16), params[name].array, err_msg=where)
+        assert attachment.scaler._step.phase in (IDLE, SCALED), where  # never left with unscaled gradients
+        for _ in range(2):
+            model.cleargrads()
+            attachment.backward(model(x, t))
+            optimizer.update()
+        k += 1
+    assert k > 100  # the sweep reached the whole step
+
+
 # Resuming from a trainer snapshot.
 
 
@@ -283,6 +328,38 @@ def test_trainer_snapshot_resumes_scale_counters_and_parameters_bit_for_bit(tmp_
     )
 
 
+def test_a_layer_frozen_at_the_snapshot_resumes_with_its_fp32_master(tmp_path: Path) -> None:
+    # l1 trains, is frozen after iteration 2 and trains again after 5; the snapshot is taken at 4, while it is
+    # frozen. Its master must be in the snapshot: rebuilt from the float16 weights, the resumed run drifts.
+    def freezing(trainer: Any, attachment: Any) -> None:
+        def schedule(trainer: Any) -> None:
+            if trainer.updater.iteration == 2:
+                attachment.optimizer.target.l1.disable_update()
+            if trainer.updater.iteration == 5:
+                attachment.optimizer.target.l1.enable_update()
+
+        trainer.extend(schedule, trigger=(1, "iteration"), name="freeze")
+
+    whole, whole_attachment = make_trainer(tmp_path / "whole", 8)
+    freezing(whole, whole_attachment)
+    whole.run()
+    first, first_attachment = make_trainer(tmp_path / "first", 4)
+    freezing(first, first_attachment)
+    first.extend(chainer.training.extensions.snapshot(filename="snap"), trigger=(4, "iteration"))
+    first.run()
+    resumed, attachment = make_trainer(tmp_path / "resumed", 8)
+    freezing(resumed, attachment)
+    attachment.optimizer.target.l1.disable_update()  # as it was at the snapshot (Chainer does not save it)
+    chainer.serializers.load_npz(str(tmp_path / "first" / "snap"), resumed)
+    resumed.run()
+    assert attachment.scaler.checkpoint() == whole_attachment.scaler.checkpoint()
+    assert_same_bits(arrays(attachment.optimizer.target), arrays(whole_attachment.optimizer.target))
+    assert_same_bits(
+        {name: master.array for name, master in attachment.masters()},
+        {name: master.array for name, master in whole_attachment.masters()},
+    )
+
+
 def test_an_extension_registered_after_the_snapshot_was_loaded_is_refused(tmp_path: Path) -> None:
     # load_npz before trainer.extend(...) leaves the scaler at its initial scale and the masters rebuilt from
     # the float16 weights, silently. The extension sees a trainer resumed without it, and refuses to run.
@@ -295,6 +372,20 @@ def test_an_extension_registered_after_the_snapshot_was_loaded_is_refused(tmp_pa
     with pytest.raises(ScalerProtocolError, match=r"before chainer.serializers.load_npz"):
         resumed.run()
     assert attachment.scaler.stats().steps == 0  # refused before the first step
+
+
+def test_a_scaler_added_to_a_trainer_that_already_ran_in_this_process_is_not_refused(tmp_path: Path) -> None:
+    # No snapshot involved: the guard joins an optimizer that trained two iterations; a new Trainer goes on.
+    model, optimizer = build(np.float32)
+    x, t = spirals(64)
+    iterator = chainer.iterators.SerialIterator(chainer.datasets.TupleDataset(x, t), 16, shuffle=False)
+    updater = chainer.training.updaters.StandardUpdater(iterator, optimizer, loss_func=model)
+    chainer.training.Trainer(updater, (2, "iteration"), out=str(tmp_path / "before")).run()
+    attachment = attach(optimizer, GradScaler.guard())
+    trainer = chainer.training.Trainer(updater, (4, "iteration"), out=str(tmp_path / "after"))
+    trainer.extend(attachment.extension())
+    trainer.run()
+    assert attachment.scaler.stats().steps == 2
 
 
 def test_a_snapshot_without_the_extensions_state_starts_the_scaler_afresh_with_a_warning(
@@ -479,24 +570,25 @@ def test_a_manual_step_without_cleargrads_is_refused_before_it_adds_last_steps_g
     assert attachment.scaler.stats().steps == 2
 
 
-def test_chainers_own_seed_refuses_a_gradient_the_backward_did_not_reach_and_nobody_cleared() -> None:
-    # loss.backward(loss_scale=optimizer._loss_scale) opens the step at the check, after the backward: a
-    # parameter that this backward did not reach still holds last step's unscaled gradient, which would be
-    # unscaled (and applied) a second time.
-    model, optimizer = build()
-    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+def test_chainers_own_seed_without_cleargrads_takes_the_same_steps_as_with_it() -> None:
+    # loss.backward(loss_scale=optimizer._loss_scale) runs before the attachment sees the gradients, so a
+    # forgotten cleargrads() could not be told from a cleared gradient there: a step that Chainer's own seed
+    # opened clears the gradients when it ends, and the next backward starts from nothing either way.
     x, t = spirals(16)
     x = x.astype(np.float16)
-    model.cleargrads()
-    model(x, t).backward(loss_scale=optimizer._loss_scale)
-    optimizer.update()
-    before = arrays(model)
-    head = F.cast(model.l2(F.relu(model.l1(x))), "float32")  # l3 takes no part in this loss
-    F.sum(head * head).backward(loss_scale=optimizer._loss_scale)  # model.cleargrads() forgotten
-    with pytest.raises(ScalerProtocolError, match=r"cleargrads\(\)"):
-        optimizer.update()
-    assert_same_bits(arrays(model), before)
-    assert attachment.scaler.stats().steps == 1
+    runs = []
+    for clear in (True, False):
+        model, optimizer = build()
+        attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
+        model.cleargrads()  # Chainer starts every gradient as NaN
+        for _ in range(4):
+            if clear:
+                model.cleargrads()
+            model(x, t).backward(loss_scale=optimizer._loss_scale)
+            optimizer.update()
+        assert all(param.grad is None for param in model.params())  # cleared as the step ended
+        runs.append(arrays(model))
+    assert_same_bits(runs[1], runs[0])
 
 
 def test_zerograds_and_a_parameter_the_backward_skips_are_not_stale_gradients() -> None:
@@ -531,6 +623,15 @@ def test_one_scaler_attached_to_two_optimizers_is_refused_and_one_each_works() -
         generator_optimizer.update(generator, x, t)
         discriminator_optimizer.update(discriminator, x, t)
     assert scaler.stats().steps == 2  # one step per iteration
+
+
+def test_a_scaler_whose_optimizer_was_dropped_attaches_again_without_waiting_for_the_collector() -> None:
+    model, optimizer = build()
+    scaler = GradScaler()
+    attach(optimizer, scaler)
+    del model, optimizer  # the optimizer and its attachment hold each other: only the collector frees them
+    _, again = build()
+    attach(again, scaler)
 
 
 def test_a_standard_updater_with_loss_scale_is_refused_naming_its_argument() -> None:
