@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
@@ -287,8 +287,9 @@ class Face:
 
         Raises:
             ArgumentTypeError: No gradients, or a list of optimizers without a list of as many gradient lists.
-            As ``check()`` and the optimizers' ``step()``; no optimizer is
-            called when the check raises.
+            As ``check()`` and the optimizers' ``step()``; gradients that do
+            not fit an optimizer are refused before the check (the step stays
+            open), and no optimizer is called when the check raises.
         """
         if gradients is None:
             raise ArgumentTypeError(
@@ -300,11 +301,13 @@ class Face:
         reporting = expect_bool(ConfigError, "report", report)
         if not isinstance(optimizer, (list, tuple)):
             share = list(gradients) if isinstance(gradients, Iterator) else gradients  # read once, for both
+            _expect_fits([optimizer], [share])
             with self._step.call():  # one call: no other thread's update() between the check and the optimizer
                 stats = self._check(share, limit, reporting)
-                optimizer.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
+                optimizer.step(_ordered(share), stats)
             return stats
         shares = [list(g) if isinstance(g, Iterator) else g for g in _shares(gradients, len(optimizer))]
+        _expect_fits(optimizer, shares)
         labelled: dict[Hashable, Any] = {}
         for index, share in enumerate(shares):
             entries = share.items() if isinstance(share, Mapping) else enumerate(share)
@@ -312,8 +315,22 @@ class Face:
         with self._step.call():
             stats = self._check(labelled, limit, reporting)
             for each, share in zip(optimizer, shares):
-                each.step(list(share.values()) if isinstance(share, Mapping) else share, stats)
+                each.step(_ordered(share), stats)
         return stats
+
+
+def _ordered(share: Any) -> Any:
+    """An optimizer's gradients in its parameters' order (a mapping's values)."""
+    return list(share.values()) if isinstance(share, Mapping) else share
+
+
+def _expect_fits(optimizers: Sequence[Any], shares: list[Any]) -> None:
+    """Ask every optimizer whether its gradients fit it, before the check (an optimizer of another kind may not
+    say: it is then asked by its own step)."""
+    for each, share in zip(optimizers, shares):
+        expect = getattr(each, "expect_gradients", None)
+        if expect is not None:
+            expect(_ordered(share))
 
 
 def _shares(gradients: Any, count: int) -> list[Any]:

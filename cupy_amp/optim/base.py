@@ -225,6 +225,17 @@ class FusedOptimizer:
             with self._lock.busy:
                 self._step(grads, stats)
 
+    def expect_gradients(self, gradients: Sequence[Any]) -> None:
+        """Raise what :meth:`step` raises for ``gradients`` that do not fit the parameters; change nothing.
+
+        ``scaler.step`` asks every optimizer before its check, so that gradients that do not fit one
+        optimizer never leave the step applied by the others.
+
+        Raises:
+            ArgumentTypeError, GradientTypeError, GradientValueError: As :meth:`step`.
+        """
+        arguments.expect_gradients(list(gradients), self._params, self._device)
+
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")
         arguments.expect_gradients(grads, self._params, self._device)

@@ -114,3 +114,18 @@ def test_several_optimizers_each_apply_one_check_once_and_only_in_its_step(face:
         opt1.step([g1], stats)
     assert (w0.tolist(), w1.tolist()) == ([-1.0] * 3, [-2.0] * 2)
     assert (opt0.step_count, opt1.step_count) == (1, 1)
+
+
+def test_several_optimizers_have_their_gradients_checked_before_any_applies_the_step(face: Face) -> None:
+    # The second optimizer's gradients do not fit it: refused before the check, so the first optimizer applies
+    # nothing (it used to apply the step alone) and the step stays open for a correct retry.
+    w0, w1 = np.ones(4, np.float32), np.ones(4, np.float32)
+    first, second = SGD([w0], lr=0.5), SGD([w1], lr=0.5)
+    scaler = open_step(face(init_scale=2.0))
+    good, bad = [np.full(4, 2.0, np.float32)], [np.full(3, 2.0, np.float32)]
+    with pytest.raises(GradientTypeError, match=r"gradients\[0\]: expected float32 of shape \(4,\)"):
+        scaler.step([first, second], [good, bad])
+    assert w0.tolist() == [1.0] * 4 and first.step_count == 0
+    scaler.step([first, second], [good, [np.full(4, 2.0, np.float32)]])
+    scaler.update()
+    assert w0.tolist() == w1.tolist() == [0.5] * 4 and scaler.stats().steps == 1
