@@ -135,7 +135,7 @@ class Face:
                 ``update()`` was not called.
         """
         backend, array = parse_loss(loss)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             self._step.refuse_scale_loss()
             lane = self._lane
             state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
@@ -186,7 +186,7 @@ class Face:
         """
         limit = expect_max_norm(max_norm)
         reporting = expect_bool(ConfigError, "report", report)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit(), self._step.accounting():
             return self._check(gradients, limit, reporting)
 
     def _check(self, gradients: Any, limit: float, reporting: bool) -> GradientStats:
@@ -220,7 +220,7 @@ class Face:
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.
         """
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             self._step.require_idle("checkpoint() cannot capture a resumable state")
             config, state, enabled, overflow, local = self._resumable()
             return GradScalerCheckpoint.capture(
@@ -245,7 +245,7 @@ class Face:
         """
         # Under the scaler's lock: a check() of the next step in another thread cannot replace the
         # state's report between the test below and the read (rows of one step under another's labels).
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             source, number = self._numerics_source, self._step.number
             if source is None or source.number != number:
                 raise ScalerProtocolError(
@@ -302,7 +302,8 @@ class Face:
         if not isinstance(optimizer, (list, tuple)):
             share = list(gradients) if isinstance(gradients, Iterator) else gradients  # read once, for both
             _expect_fits([optimizer], [share])
-            with self._step.call():  # one call: no other thread's update() between the check and the optimizer
+            # One call: no other thread's update() between the check and the optimizer.
+            with self._step.lock.turn, self._step.admit(), self._step.accounting():
                 stats = self._check(share, limit, reporting)
                 optimizer.step(_ordered(share), stats)
             return stats
@@ -312,7 +313,7 @@ class Face:
         for index, share in enumerate(shares):
             entries = share.items() if isinstance(share, Mapping) else enumerate(share)
             labelled.update(((index, key), array) for key, array in entries)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit(), self._step.accounting():
             stats = self._check(labelled, limit, reporting)
             for each, share in zip(optimizer, shares):
                 each.step(_ordered(share), stats)

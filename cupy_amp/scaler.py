@@ -180,7 +180,7 @@ class GradScaler(Face):
             CommunicatorError: The communicator failed or answered garbage.
         """
 
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit(), self._step.accounting():
             lane = self._lane  # under the lock: a set_enabled() served first is the one this call sees
             communicator = self._communicator if lane.counts else None
             with self._step.gradient_call(UNSCALED, lane, communicator) as scope:
@@ -242,7 +242,7 @@ class GradScaler(Face):
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
 
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             lane = self._lane
             if lane.counts:  # disabled, update() only ends the step
                 self._step.require_gradients()
@@ -288,7 +288,7 @@ class GradScaler(Face):
                 or ``unscale_and_check`` to ``update()``).
         """
         flag = expect_bool(ConfigError, "enabled", enabled)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             if flag != self._mirror.enabled:
                 self._step.require_idle("set_enabled() cannot switch the scaler")
             self._mirror = self._mirror._replace(enabled=flag)
@@ -317,7 +317,7 @@ class GradScaler(Face):
             ScalerProtocolError: A step is open (the loss was scaled with the old scale).
         """
         expect_checkpoint(checkpoint)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled, self._step.number)
             with self._states_follow_the_mirror(self._scaling):

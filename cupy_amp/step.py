@@ -81,7 +81,7 @@ _REENTRY = (
 class Step:
     """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
 
-    __slots__ = ("_answered", "_lock", "broken", "claims", "number", "phase", "poison_sender", "records")
+    __slots__ = ("_answered", "broken", "claims", "lock", "number", "phase", "poison_sender", "records")
 
     def __init__(self) -> None:
         self.phase = IDLE
@@ -90,7 +90,7 @@ class Step:
         self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
         self.broken: RanksMayDisagreeError | None = None  # once set, every later call raises it
         self.poison_sender: threading.Thread | None = None  # the thread that sent this rank's poisoned vote
-        self._lock = CallLock()
+        self.lock = CallLock()  # one call at a time (see admit)
         self._answered: GradientScope | None = None  # the running call's gradient scope, once its collective answered
 
     def refuse_if_broken(self) -> None:
@@ -103,21 +103,32 @@ class Step:
         if self.broken is None:
             self.broken = error
 
+    def admit(self) -> threading.Lock:
+        """Admit one call of the scaler and return the lock it holds while it runs.
+
+        Every public call is ``with step.lock.turn, step.admit():``: other
+        threads' calls wait at ``turn``; a call from inside a call on this
+        thread (a communicator's callback, a generator passed as gradients, a
+        signal handler) raises here, as does any call of a poisoned scaler.
+        Both locks are entered and left in C, so no interrupt can leave one
+        held (a Python context manager in between has a window after its lock
+        is taken).
+        """
+        self.lock.refuse_reentry(_REENTRY)
+        self.refuse_if_broken()
+        return self.lock.busy
+
     @contextlib.contextmanager
-    def call(self) -> Iterator[None]:
-        """Hold the scaler for one call (:class:`~cupy_amp.call_lock.CallLock`): another thread's call waits, a call
-        from inside one on the same thread raises, and so does any call of a poisoned scaler."""
-        with self._lock.turn:
-            self._lock.refuse_reentry(_REENTRY)
-            with self._lock.busy:
-                self._answered = None
-                try:
-                    self.refuse_if_broken()
-                    yield
-                except BaseException as error:
-                    if self._answered is not None:  # a check answered; its result was lost, or its optimizers failed
-                        self._lost_answer(self._answered, error)
-                    raise
+    def accounting(self) -> Iterator[None]:
+        """Scope a call that checks gradients, inside :meth:`admit`: if its check answered and the call then
+        fails (its result lost, or ``scaler.step``'s optimizers stopped part way), :meth:`_lost_answer`."""
+        self._answered = None
+        try:
+            yield
+        except BaseException as error:
+            if self._answered is not None:
+                self._lost_answer(self._answered, error)
+            raise
 
     def _lost_answer(self, scope: GradientScope, error: BaseException) -> None:
         """Poison a call that completed with the verdict "apply" but raised before returning it.

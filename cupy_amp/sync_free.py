@@ -87,7 +87,7 @@ class SyncFreeGradScaler(Face):
             As ``unscale_and_check`` does for bad gradients.
         """
         gradient_set = gradients if type(gradients) is GradientSet else GradientSet(gradients)
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             call = parse_gradients(gradient_set, one_device=_ONE_DEVICE, in_place=False)  # for check() too
             if call.backend is not None:
                 self._place(self._states, call.backend, call.devices[0]).prepare(call)
@@ -144,7 +144,7 @@ class SyncFreeGradScaler(Face):
             gradients not yet prepared while a CUDA graph is being captured.
         """
 
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit(), self._step.accounting():
             with self._step.gradient_call(UNSCALED, self._states, self._communicator) as scope:
                 call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE)
                 state = self._place(self._states, call.backend, call.devices[0] if call.devices else -1)
@@ -181,7 +181,7 @@ class SyncFreeGradScaler(Face):
             ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
         """
 
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             self._step.require_gradients()
             self._state.update()
             self._step.close()
@@ -227,7 +227,7 @@ class SyncFreeGradScaler(Face):
                 "GradScaler, or train without a scaler."
             )
 
-        with self._step.call():
+        with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             config, (state, overflow, local, *_) = self.config, self._state.snapshot()
             try:

@@ -213,6 +213,7 @@ def test_a_call_from_inside_a_running_one_on_the_same_thread_is_refused_instead_
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a signal in a gc callback
 def test_a_real_interrupt_anywhere_leaves_no_lock_held_for_the_save_in_the_except_clause() -> None:
     # Real signals land between any two bytecodes, where the traced sweep above does not look: inside a
     # Python context manager's __enter__, after its lock was taken. The save that the re-entry error

@@ -19,6 +19,8 @@ communicator (one rank of the in-process stand-in). Afterwards:
 
 from __future__ import annotations
 
+import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -252,3 +254,44 @@ def test_a_later_call_of_a_step_interrupted_at_any_line_keeps_the_earlier_claims
         return True
 
     sweep(attempt)
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a signal in a gc callback
+def test_a_real_interrupt_anywhere_leaves_the_scaler_free_for_the_save_in_the_except_clause(face: type) -> None:
+    # Real signals land between any two bytecodes, where the traced sweeps do not look: inside a Python context
+    # manager's __enter__, after its lock was taken. The checkpoint taken in an `except KeyboardInterrupt:`
+    # clause must never find the scaler held.
+    scaler = face()
+    armed = False
+
+    def handler(signum: int, frame: Any) -> None:
+        if armed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    interrupts, refused = 0, []
+    deadline = time.monotonic() + 3.0
+    try:
+        while time.monotonic() < deadline:
+            try:
+                armed = True
+                signal.setitimer(signal.ITIMER_REAL, 0.0002)
+                for _ in range(50):
+                    scaler.checkpoint()
+                armed = False
+            except KeyboardInterrupt:
+                armed = False
+                interrupts += 1
+                try:
+                    scaler.checkpoint()
+                except ScalerProtocolError as error:
+                    refused.append(str(error))
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
+    assert refused == []

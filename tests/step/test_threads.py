@@ -165,15 +165,15 @@ def test_a_switch_made_before_a_call_takes_the_lock_is_the_one_the_call_sees(
     from cupy_amp.step import Step
 
     scaler = GradScaler(enabled=False, growth_interval=1)
-    real, armed = Step.call, [True]
+    real, armed = Step.admit, [True]
 
-    def call(self: Step) -> Any:
+    def admit(self: Step) -> Any:
         if armed:  # the first call after this point is the gradient call below
             armed.clear()
             scaler.set_enabled(True)  # the other thread's call, served first
         return real(self)
 
-    monkeypatch.setattr(Step, "call", call)
+    monkeypatch.setattr(Step, "admit", admit)
     with pytest.raises(ScalerProtocolError, match="no scale_loss"):
         getattr(scaler, method)([np.array([1.0, np.inf], np.float32)])
     assert not armed and scaler.is_enabled()
