@@ -50,13 +50,15 @@ import functools
 import gc
 import logging
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from cupy_amp.errors import ArgumentTypeError, GradientTypeError, GradientValueError, ScalerProtocolError
+from cupy_amp.rule import inverse_scale
 from cupy_amp.scaler import GradScaler
+from cupy_amp.statistics import expect_max_norm
 
 if TYPE_CHECKING:
     from cupy_amp.chainer.extension import LossScaleExtension
@@ -95,7 +97,7 @@ class _StandIn:
         self.grad = grad  # the float32 gradient it carries (what the hooks left is read back at the end)
 
 
-def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
+def attach(optimizer: Any, scaler: GradScaler, *, max_norm: float | None = None) -> Attachment:
     """Make ``scaler`` the loss scaler of a Chainer ``GradientMethod``; return the attachment.
 
     After this, ``optimizer.update(lossfun, *args)`` (what Chainer's
@@ -106,13 +108,22 @@ def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
     float32 training that only needs the skip. Synchronizes the device once per
     step (the check); attaching does not.
 
+    With ``max_norm``, the unscaled gradients are also clipped to that global
+    L2 norm, with the norm the scaler's check reads in its one pass over them
+    (``check(gradients, max_norm=)``), then one pass multiplies each gradient
+    by the step's factor (inverse scale times clip coefficient): Chainer's
+    ``GradientClipping`` hook reads every gradient again and writes it again,
+    and is not to be added as well.
+
     Raises:
         ArgumentTypeError: ``optimizer`` is not a ``chainer.optimizer.GradientMethod``, or
             ``scaler`` is not a ``GradScaler``.
         ScalerProtocolError: The optimizer already has a cupy-amp scaler, or Chainer's own
             loss scaling (``loss_scaling()``, ``set_loss_scale()``) is on.
+        ConfigError: ``max_norm`` is not None or a finite number > 0.
         ImportError: Chainer is not installed.
     """
+    limit = expect_max_norm(max_norm)
     chainer = _chainer()
     if not isinstance(optimizer, chainer.optimizer.GradientMethod):
         raise ArgumentTypeError(
@@ -145,7 +156,7 @@ def attach(optimizer: Any, scaler: GradScaler) -> Attachment:
             "loss_scaling() or set_loss_scale()): two scalers would scale the gradients twice. Build the optimizer "
             "without calling loss_scaling(), then attach the cupy-amp scaler."
         )
-    return Attachment(optimizer, scaler, chainer)
+    return Attachment(optimizer, scaler, chainer, limit)
 
 
 class Attachment:
@@ -154,8 +165,9 @@ class Attachment:
     Build it with :func:`attach`.
     """
 
-    def __init__(self, optimizer: Any, scaler: GradScaler, chainer: Any) -> None:
+    def __init__(self, optimizer: Any, scaler: GradScaler, chainer: Any, max_norm: float = 0.0) -> None:
         self._chainer = chainer
+        self._max_norm = max_norm  # 0.0: no clipping
         self._optimizer = optimizer
         self._scaler = scaler
         self._chainer_update: Callable[..., Any] = optimizer.update
@@ -359,7 +371,13 @@ class Attachment:
             else:
                 gradients[name] = param.grad
         self._seeded, self._checked = False, True
-        finite = scaler.unscale_and_check(gradients)  # the step's one host read
+        if self._max_norm:
+            stats = scaler.check(gradients, max_norm=self._max_norm)  # the step's one host read
+            finite = bool(stats.finite)
+            # Unscaled and clipped in one pass; a skipped step's only unscaled, as unscale_and_check leaves it.
+            _multiply(gradients.values(), stats.factor if finite else inverse_scale(scale))
+        else:
+            finite = scaler.unscale_and_check(gradients)  # the step's one host read
         self._finite = finite
         for _, param in params:
             param._loss_scale = None  # the gradients are unscaled: nothing downstream may divide again
@@ -512,3 +530,16 @@ def _unique(named: Iterator[tuple[str, Any]]) -> list[tuple[str, Any]]:
             seen.add(id(param))
             params.append((name, param))
     return params
+
+
+def _multiply(gradients: Iterable[Any], factor: Any) -> None:
+    """Multiply each gradient by ``factor`` (a 0-d float32 array) in place: in float32 and rounded to the gradient's
+    dtype, as the fused optimizers apply it; float64 in float64. Spelled out, since 0-d arrays promote
+    differently in NumPy 1, NumPy 2 and CuPy."""
+    for grad in gradients:
+        if grad.dtype == np.float32:
+            grad *= factor
+        elif grad.dtype == np.float64:
+            grad *= factor.astype(np.float64)
+        else:
+            grad[...] = (grad.astype(np.float32) * factor).astype(grad.dtype)

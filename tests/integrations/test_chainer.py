@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -493,6 +495,70 @@ def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: 
     assert isfinite[0] == 3 * len(list(model.params())) == 18
 
 
+def clipped_step_deltas(max_norm: float, clip: str, scale: float = 2.0**10) -> dict[str, np.ndarray]:
+    """One SGD step (lr 1) of the fp32 MLP, clipped to ``max_norm`` by the attachment's check ("fused") or by
+    Chainer's GradientClipping hook ("hook"); return each parameter's change."""
+    model, optimizer = build(np.float32, optimizer=chainer.optimizers.SGD(lr=1.0))
+    if clip == "hook":
+        optimizer.add_hook(chainer.optimizer_hooks.GradientClipping(max_norm))
+        attach(optimizer, GradScaler(init_scale=scale))
+    else:
+        attach(optimizer, GradScaler(init_scale=scale), max_norm=max_norm)
+    start = arrays(model)
+    x, t = spirals(64)
+    optimizer.update(model, x, t)
+    return {name: param.array - start[name] for name, param in model.namedparams()}
+
+
+def test_max_norm_clips_with_the_checks_norm_as_chainers_hook_does() -> None:
+    # The reference: the gradients of a plain float64 backward, clipped to the global norm by hand.
+    model, _ = build(np.float32)
+    x, t = spirals(64)
+    model.cleargrads()
+    model(x, t).backward()
+    grads = {name: param.grad.astype(np.float64) for name, param in model.namedparams()}
+    total = float(np.sqrt(sum(float(np.sum(g * g)) for g in grads.values())))
+    max_norm = total / 4  # the clip bites: every gradient a quarter of its size
+    fused, hook = clipped_step_deltas(max_norm, "fused"), clipped_step_deltas(max_norm, "hook")
+    for name, g in grads.items():
+        expected = -g * min(1.0, max_norm / (total + 1e-6))
+        np.testing.assert_allclose(fused[name], expected, rtol=1e-4, atol=1e-7, err_msg=name)
+        np.testing.assert_allclose(fused[name], hook[name], rtol=1e-4, atol=1e-7, err_msg=name)
+    assert norm(fused) == pytest.approx(max_norm, rel=1e-4)
+
+
+def test_max_norm_on_a_skipped_step_leaves_the_gradients_unscaled_for_the_hooks() -> None:
+    seen: list[float] = []
+
+    def hook(optimizer: Any) -> None:  # a 'pre' hook runs on a skipped step too
+        seen.append(float(optimizer.target.l1.W.grad[0, 0]))
+
+    model, optimizer = build(np.float32, optimizer=chainer.optimizers.SGD(lr=1.0))
+    optimizer.add_hook(hook, name="peek")
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10), max_norm=1.0)
+    x, t = spirals(16)
+    model.cleargrads()
+    model(x, t).backward()  # unscaled: the reference gradient
+    reference = float(model.l1.W.grad[0, 0])
+    model.cleargrads()
+    attachment.backward(model(x, t))
+    model.l2.b.grad[0] = np.inf
+    before = arrays(model)
+    optimizer.update()
+    assert_same_bits(arrays(model), before)  # skipped
+    assert seen[-1] == pytest.approx(reference, rel=1e-6)  # unscaled, not 1024 times as large
+
+
+def test_max_norm_is_validated() -> None:
+    from cupy_amp import ConfigError
+
+    _, optimizer = build()
+    for bad in (0.0, -1.0, float("inf"), "1"):
+        with pytest.raises(ConfigError, match="Invalid 'max_norm'"):
+            attach(optimizer, GradScaler(), max_norm=bad)  # type: ignore[arg-type]
+    assert "update" not in optimizer.__dict__  # nothing was attached
+
+
 # Errors.
 
 
@@ -675,3 +741,19 @@ def test_an_attached_optimizer_and_its_scaler_are_freed_with_it() -> None:
     del model, optimizer, scaler
     gc.collect()
     assert [ref() for ref in gone] == [None, None]
+
+
+def test_the_chainer_benchmark_runs_and_counts_one_read_against_one_per_parameter(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "tools" / "bench_chainer.py"), "--layers", "3", "--width", "16", "--batch", "8",
+         "--steps", "1", "--repeats", "1", "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    rows = {row["setting"]: row for row in json.loads(out.read_text())["rows"]}
+    assert {row["parameters"] for row in rows.values()} == {6}
+    for setting, row in rows.items():
+        assert row["verdict_reads_per_step"] == (1 if setting.startswith("cupy-amp") else 6), setting
+        assert row["ms_per_update"] > 0
