@@ -22,9 +22,7 @@ the record's fields, the record, and the step they belong to.
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +44,8 @@ class StatsRecord:
 
     def __init__(self, source: np.ndarray | int, device: int, order: Any = None) -> None:
         self.source, self.device, self.order = source, device, order
-        self._lock = threading.Lock()
+        # Held by a reader for its whole read (see admit), and by the scaler to close or rewrite the record.
+        self.lock = threading.Lock()
         self._step: int | None = None  # the step whose completed check() the record holds; None: "skip"
         self._readers: set[int] = set()  # the optimizers (by id) that applied it in that step
 
@@ -56,7 +55,7 @@ class StatsRecord:
 
     def completed(self, step: int) -> None:
         """Note that step ``step``'s ``check()`` completed: its record may now be applied, once per optimizer."""
-        with self._lock:
+        with self.lock:
             self._step, self._readers = step, set()
 
     def closed(self) -> None:
@@ -64,39 +63,49 @@ class StatsRecord:
 
         Waits for a reader that is applying it (another thread's optimizer step) to finish.
         """
-        with self._lock:
+        with self.lock:
             self._step, self._readers = None, set()
 
-    @contextlib.contextmanager
-    def reading(self, reader: object, step: int, stream: Any = None) -> Iterator[np.ndarray | int]:
-        """Let ``reader`` read step ``step``'s record once: yield its source; the read is noted when the block ends.
+    def admit(self, reader: object, step: int, stream: Any = None) -> np.ndarray | int:
+        """Let ``reader`` read step ``step``'s record once, and return its source. Call it holding :attr:`lock`,
+        for the whole read (``with record.lock:``, a lock entered and left in C: no interrupt leaves it held),
+        then :meth:`queued` once the reads are queued.
 
-        Held for the whole read, so the scaler cannot close the step or rewrite the record meanwhile. On the
-        GPU, ``stream`` (where the reads are queued) first waits for the record's last write, and the next
-        write waits for it.
+        The reader notes itself (:meth:`applied_by`) before its first write, once it is marked torn: an
+        interrupted read never lets it apply the record twice. On the GPU, ``stream`` (where the reads are
+        queued) first waits for the record's last write.
 
         Raises:
             ScalerProtocolError: The record holds another step's check (``update()`` closed this one), or
                 ``reader`` applied it already.
         """
-        with self._lock:
-            if self._step != step:
-                raise ScalerProtocolError(
-                    "step(): these statistics are of a step that the scaler's update() already closed (or whose "
-                    "check() did not complete); each step is check() (or scaler.step(optimizer, gradients)), the "
-                    "optimizer step, then update(). Pass the statistics of this step's check()."
-                )
-            if id(reader) in self._readers:
-                raise ScalerProtocolError(
-                    "step(): this optimizer already applied these statistics (one update per check()); run the "
-                    "next step's check() first."
-                )
-            if self.order is not None:
-                self.order.read(stream)
-            yield self.source
-            self._readers = {*self._readers, id(reader)}
-            if self.order is not None:
-                self.order.read_done(stream)
+        if self._step != step:
+            raise ScalerProtocolError(
+                "step(): these statistics are of a step that the scaler's update() already closed (or whose "
+                "check() did not complete); each step is check() (or scaler.step(optimizer, gradients)), the "
+                "optimizer step, then update(). Pass the statistics of this step's check()."
+            )
+        if id(reader) in self._readers:
+            raise ScalerProtocolError(
+                "step(): this optimizer already applied these statistics (one update per check()); run the "
+                "next step's check() first."
+            )
+        if self.order is not None:
+            self.order.read(stream)
+        return self.source
+
+    def applied_by(self, reader: object) -> None:
+        """Note that ``reader`` applies the record (holding :attr:`lock`): it is not admitted again."""
+        self._readers = {*self._readers, id(reader)}
+
+    def refused(self, reader: object) -> None:
+        """Forget :meth:`applied_by`: the read was refused before it wrote anything."""
+        self._readers = self._readers - {id(reader)}
+
+    def queued(self, stream: Any = None) -> None:
+        """Note that reads are queued on ``stream``: the record's next write waits for them (on the GPU)."""
+        if self.order is not None:
+            self.order.read_done(stream)
 
 
 @dataclass(frozen=True)

@@ -125,6 +125,8 @@ class Step:
         self._answered = None
         try:
             yield
+        except GeneratorExit:  # closed by the collector, maybe in a later call: see gradient_call
+            raise
         except BaseException as error:
             if self._answered is not None:
                 self._lost_answer(self._answered, error)
@@ -247,6 +249,10 @@ class Step:
         scope = GradientScope(phase, states, Ballot(communicator))
         try:
             yield scope
+        except GeneratorExit:
+            # Closed by the collector: an interrupt inside contextlib's __exit__ kept the ``with`` from ending
+            # here. The scaler may be in a later step by now: accounting would rewrite that one.
+            raise
         except ConfigError:
             if scope.opened or scope.ballot.stage != NOT_JOINED:  # after the call started: a failure like any
                 self._account(scope, RuntimeError("a configuration error after the call started"))

@@ -30,7 +30,7 @@ from cupy_amp.errors import (
     ScalerProtocolError,
 )
 from cupy_amp.optim import arguments, state_file
-from cupy_amp.record import GradientStats
+from cupy_amp.record import GradientStats, StatsRecord
 
 __all__ = ["FusedOptimizer", "hyperparameter"]
 
@@ -92,6 +92,7 @@ class FusedOptimizer:
         self._table_key: tuple[int, ...] | None = None
         self._captured: list[Any] = []  # every table list a CUDA graph capture used, kept while graphs may replay
         self._stream: Any = None  # where the last step was queued: a step on another stream waits for it
+        self._last_applied: StatsRecord | None = None  # a load lets this optimizer apply its record again
         if self._device >= 0:
             from cupy_amp.optim import launches
 
@@ -245,13 +246,23 @@ class FusedOptimizer:
         stream = None if self._device < 0 else self._backend.current_stream(self._device)
         # The record admits each optimizer once per check(), and holds off the scaler's next writes (another
         # thread's update() and check(), or kernels on another stream) until this step has read it.
-        with stats.record.reading(self, stats.step, stream) as source:
-            self._apply(grads, source, stream)
+        record = stats.record
+        with record.lock:
+            source = record.admit(self, stats.step, stream)
+            self._apply(grads, source, stream, record)
+            record.queued(stream)
 
-    def _apply(self, grads: list[Any], source: np.ndarray | int | None, stream: Any) -> None:
-        """Apply the step: ``source`` is the statistics record (host array or device address), None for none."""
+    def _apply(
+        self, grads: list[Any], source: np.ndarray | int | None, stream: Any, stats: StatsRecord | None = None
+    ) -> None:
+        """Apply the step: ``source`` is the statistics record (host array or device address), None for none.
+
+        ``stats``, the record's owner, notes this optimizer as its reader once the optimizer is marked torn,
+        before the first write: an interrupt anywhere leaves it untouched and unnoted, or torn (refusing
+        until a load), and never lets it apply the record twice.
+        """
         if self._device_record is None:
-            self._host_step(grads, source if isinstance(source, np.ndarray) else None)
+            self._host_step(grads, source if isinstance(source, np.ndarray) else None, stats)
             return
         tables = self._tables_for(grads)
         if self._backend.capturing(self._device) and not any(kept is tables for kept in self._captured):
@@ -259,22 +270,30 @@ class FusedOptimizer:
         hyper = int(self._device_record.data.ptr)
         address = 0 if source is None else int(source)
         self._torn = "a step was interrupted (or failed) between its launches"
+        if stats is not None:
+            stats.applied_by(self)
+            self._last_applied = stats
         try:
             stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, address, self._stream)
         except ScalerProtocolError:
-            self._torn = None  # its one refusal comes before the first launch: nothing changed
+            if stats is not None:
+                stats.refused(self)  # its one refusal comes before the first launch: nothing changed
+            self._torn = None
             raise
         self._torn, self._stream = None, stream
 
-    def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None) -> None:
+    def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None, stats: StatsRecord | None) -> None:
         """Compute the step into new arrays, then write the parameters and swap the new state in."""
         skip = bool(source["skip"]) if source is not None else False
         factor = np.float32(source["factor"]) if source is not None else np.float32(1.0)
         arguments.refuse_shared(grads, self._params, (self._masters, *self._buffers.values()))
         record = self._record.copy()
         self._begin(record, skip, factor)
-        if skip:
-            self._record = record  # a skipped step changes nothing else
+        if skip:  # only the per-step fields change: nothing an interrupt could tear
+            if stats is not None:
+                stats.applied_by(self)
+                self._last_applied = stats
+            self._record = record
             return
         masters = list(self._masters)
         buffers = {name: list(arrays) for name, arrays in self._buffers.items()}
@@ -292,6 +311,9 @@ class FusedOptimizer:
                 buffers[name][index] = moment
             values.append(weights if master is None else weights.astype(p.dtype))
         self._torn = "a step was interrupted while it wrote the parameters"
+        if stats is not None:
+            stats.applied_by(self)
+            self._last_applied = stats
         for p, value in zip(self._params, values):
             p[...] = value
         self._record, self._masters, self._buffers, self._torn = record, masters, buffers, None
@@ -379,6 +401,10 @@ class FusedOptimizer:
         self._push_record()
         if self._device_record is not None:
             self._xp.cuda.Device(self._device).synchronize()  # steps on any stream see the loaded state
+        last = self._last_applied
+        if last is not None:  # the loaded state is not the one that applied it: it may apply once more
+            with last.lock:
+                last.refused(self)
         self._torn = None
 
     def _validated(self, state: Any) -> tuple[np.ndarray, dict[str, list[bytes | None]]]:

@@ -10,8 +10,10 @@ the old one or the new one; no lock is left held.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -250,3 +252,51 @@ def test_a_real_interrupt_anywhere_leaves_no_lock_held_for_the_save_in_the_excep
         signal.signal(signal.SIGALRM, previous)
     assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
     assert refused == []
+
+
+def interrupted_entering_exit(call: Callable[[], object], k: int) -> bool:
+    """Run ``call()`` with a KeyboardInterrupt as its k-th Python-level ``__exit__`` starts (a real signal is
+    handled there, as a function starts: the ``with`` block is over, its cleanup not yet done); return whether
+    there was a k-th."""
+    seen, reached = 0, False
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal seen, reached
+        if event == "call" and frame.f_code.co_name == "__exit__":
+            seen += 1
+            if seen == k:
+                reached = True
+                raise KeyboardInterrupt
+        return None
+
+    sys.settrace(calls)
+    try:
+        call()
+    except KeyboardInterrupt:
+        if not reached:
+            raise
+    finally:
+        sys.settrace(None)
+    return reached
+
+
+def test_an_interrupt_as_any_python_exit_starts_never_holds_the_record_nor_applies_it_twice() -> None:
+    # A Python context manager around the record's read (a generator, as before) can be stopped as its __exit__
+    # starts: the record's lock stayed held (the next update() waited forever) and the read was never noted (a
+    # retry applied the statistics a second time). After each such point, update() (from another thread, so
+    # that a lock left held shows as a wait) goes through, and a retry applies once or is refused.
+    for k in itertools.count(1):
+        opt = SGD([np.zeros(4, np.float32)], lr=1.0)
+        scaler = open_step(GradScaler(init_scale=1.0))
+        grads = [np.ones(4, np.float32)]
+        stats = scaler.check(grads)
+        reached = interrupted_entering_exit(lambda: opt.step(grads, stats), k)  # noqa: B023
+        with contextlib.suppress(ScalerProtocolError):
+            opt.step(grads, stats)  # the careful retry
+        assert opt._torn is not None or opt.step_count == 1, f"exit {k}: applied {opt.step_count} times"
+        other = threading.Thread(target=scaler.update, daemon=True)
+        other.start()
+        other.join(10)
+        assert not other.is_alive(), f"exit {k}: update() waits forever: the record's lock was left held"
+        if not reached:
+            break

@@ -19,7 +19,10 @@ communicator (one rank of the in-process stand-in). Afterwards:
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import signal
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +30,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld
+from helpers import open_step
 from interrupts import interrupted
 
 from cupy_amp import DuplicateGradientError, GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
@@ -295,3 +299,47 @@ def test_a_real_interrupt_anywhere_leaves_the_scaler_free_for_the_save_in_the_ex
         signal.signal(signal.SIGALRM, previous)
     assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
     assert refused == []
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_call_stopped_as_a_python_exit_starts_never_rewrites_a_later_step(face: type) -> None:
+    # A KeyboardInterrupt as a generator context manager's __exit__ starts leaves the generator suspended; the
+    # collector closes it later, maybe in a later step. Its failure handling must not run then: it made a later,
+    # clean step an overflow (a skip, a backoff) or reopened a step that update() had closed.
+    import gc
+
+    for k in itertools.count(1):
+        scaler = face(init_scale=16.0, growth_interval=1000)
+        open_step(scaler)
+        seen, reached = 0, False
+
+        def calls(frame: Any, event: str, arg: Any) -> Any:
+            nonlocal seen, reached
+            if event == "call" and frame.f_code.co_name == "__exit__":
+                seen += 1
+                if seen == k:  # noqa: B023
+                    reached = True
+                    raise KeyboardInterrupt
+            return None
+
+        kept: list[BaseException] = []
+        sys.settrace(calls)
+        try:
+            scaler.unscale_and_check([np.full(3, 4.0, np.float32)])
+        except KeyboardInterrupt as error:
+            kept.append(error)  # kept for a while (a log, a debugger): the suspended generator lives on
+        finally:
+            sys.settrace(None)
+        with contextlib.suppress(ScalerProtocolError):
+            scaler.update()  # the interrupted step ends (an interrupt inside the call counts it as an overflow)
+        before = scaler.stats()
+        open_step(scaler)  # a later step, clean
+        assert bool(scaler.unscale_and_check([np.full(3, 4.0, np.float32)])) is True
+        kept.clear()
+        gc.collect()  # the interrupted call's generators are closed now
+        assert not scaler.had_overflow(), f"exit {k}: the later step became an overflow"
+        scaler.update()
+        after = scaler.stats()
+        assert (after.steps, after.skipped_steps, after.scale) == (before.steps + 1, before.skipped_steps, before.scale)
+        if not reached:
+            break
