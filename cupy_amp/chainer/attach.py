@@ -403,7 +403,7 @@ class Attachment:
                     "optimizer.update(lossfun)."
                 )
             return
-        seed = stamps.pop() if len(stamps) == 1 else (1.0 if not stamps else None)
+        seed = next(iter(stamps)) if len(stamps) == 1 else (1.0 if not stamps else None)
         if seed != scale:
             how = (
                 "a plain loss.backward(), or no backward pass since the last step"
@@ -510,7 +510,7 @@ class Attachment:
             with contextlib.suppress(ScalerProtocolError):
                 self._scaler.update()
             self._checked = False
-            self._optimizer._loss_scale = self._scaler.scale_factor()
+        self._optimizer._loss_scale = self._scaler.scale_factor()  # the next seed, whatever was interrupted
         self._finish_parameters()  # unscaled or not, a retry must start from cleared gradients
 
     def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:

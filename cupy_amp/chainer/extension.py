@@ -53,15 +53,21 @@ class LossScaleExtension:
         """Refuse a trainer that resumed from a snapshot before this extension was registered.
 
         Raises:
-            ScalerProtocolError: The optimizer's step count changed since the scaler was attached (a
-                snapshot was loaded into it), this scaler has taken no step, and no snapshot was loaded
-                through this extension. (A scaler attached to an optimizer that had trained already, in
-                this process, is not refused: its count is the one it had when attached.)
+            ScalerProtocolError: A snapshot was loaded without this extension (the optimizer's step count
+                changed since the scaler was attached, or float16 parameters hold update steps but no fp32
+                master), this scaler has taken no step, and no snapshot was loaded through it. (A scaler
+                attached to an optimizer that trained in this process is not refused: its masters exist.)
         """
         iteration = trainer.updater.iteration
         attachment = self._attachment
         moved = attachment.optimizer.t != attachment.attached_at
-        if iteration > 0 and moved and not self._loaded and attachment.scaler.stats().steps == 0:
+        # Loaded before attach(): the update rules hold steps (from the file), and no master (Chainer's
+        # snapshot has none; a run that trained in this process has them).
+        masterless = any(
+            param.update_rule.t > 0 and param.update_rule._fp32_param is None and param.dtype == np.float16
+            for _, param in attachment.master_slots()
+        )
+        if iteration > 0 and (moved or masterless) and not self._loaded and attachment.scaler.stats().steps == 0:
             raise ScalerProtocolError(
                 f"The trainer resumed at iteration {iteration}, but this loss-scale extension was not registered "
                 "when the snapshot was loaded, so the scaler's state and the fp32 masters were not restored: the "

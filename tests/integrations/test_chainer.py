@@ -250,6 +250,10 @@ def train_one_step(loop: str, attachment: Any, x: Any, t: Any) -> None:
     model = optimizer.target
     if loop == "lossfun":
         optimizer.update(model, x, t)
+    elif loop == "chainer seed":
+        model.cleargrads()
+        model(x, t).backward(loss_scale=optimizer._loss_scale)
+        optimizer.update()
     else:
         model.cleargrads()
         attachment.backward(model(x, t))
@@ -257,7 +261,7 @@ def train_one_step(loop: str, attachment: Any, x: Any, t: Any) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loop", ["lossfun", "manual"])
+@pytest.mark.parametrize("loop", ["lossfun", "manual", "chainer seed"])
 def test_an_interrupt_at_any_line_of_a_step_leaves_float16_parameters_and_a_scaler_that_goes_on(loop: str) -> None:
     # A KeyboardInterrupt at the k-th line inside cupy_amp during optimizer.update, for every k: the parameters
     # are float16 again and equal their masters rounded, no gradient was unscaled without its step being ended,
@@ -279,9 +283,7 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_float16_parameters_and_a_scal
             np.testing.assert_array_equal(master.array.astype(np.float16), params[name].array, err_msg=where)
         assert attachment.scaler._step.phase in (IDLE, SCALED), where  # never left with unscaled gradients
         for _ in range(2):
-            model.cleargrads()
-            attachment.backward(model(x, t))
-            optimizer.update()
+            train_one_step(loop, attachment, x, t)
         k += 1
     assert k > 100  # the sweep reached the whole step
 
@@ -374,6 +376,20 @@ def test_an_extension_registered_after_the_snapshot_was_loaded_is_refused(tmp_pa
     with pytest.raises(ScalerProtocolError, match=r"before chainer.serializers.load_npz"):
         resumed.run()
     assert attachment.scaler.stats().steps == 0  # refused before the first step
+
+
+def test_a_snapshot_loaded_before_the_scaler_was_attached_is_refused(tmp_path: Path) -> None:
+    # load_npz, then attach() and the extension: the masters would be rebuilt from float16 weights.
+    first, _ = make_trainer(tmp_path / "first", 6)
+    first.extend(chainer.training.extensions.snapshot(filename="snap"), trigger=(6, "iteration"))
+    first.run()
+    resumed, attachment = make_trainer(tmp_path / "resumed", 12, register=False)
+    attachment.detach()
+    chainer.serializers.load_npz(str(tmp_path / "first" / "snap"), resumed)
+    again = attach(attachment.optimizer, GradScaler(init_scale=2.0**12, growth_interval=2))
+    resumed.extend(again.extension())
+    with pytest.raises(ScalerProtocolError, match=r"before chainer.serializers.load_npz"):
+        resumed.run()
 
 
 def test_a_scaler_added_to_a_trainer_that_already_ran_in_this_process_is_not_refused(tmp_path: Path) -> None:
@@ -597,6 +613,10 @@ def test_a_backward_not_seeded_with_the_scale_is_refused() -> None:
     model(x.astype(np.float16), t).backward()
     with pytest.raises(ScalerProtocolError, match=r"not seeded with the loss scale 1024 \(a plain loss.backward\(\)"):
         optimizer.update()
+    model.cleargrads()
+    model(x.astype(np.float16), t).backward(loss_scale=123.0)
+    with pytest.raises(ScalerProtocolError, match=r"\(loss_scale values \[123\.0\]\)"):
+        optimizer.update()  # the stamp it found is named
 
 
 def test_update_twice_in_a_step_is_refused_as_such() -> None:
