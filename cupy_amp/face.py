@@ -301,19 +301,24 @@ class Face:
         reporting = expect_bool(ConfigError, "report", report)
         if not isinstance(optimizer, (list, tuple)):
             share = list(gradients) if isinstance(gradients, Iterator) else gradients  # read once, for both
-            _expect_fits([optimizer], [share])
             # One call: no other thread's update() between the check and the optimizer.
             with self._step.lock.turn, self._step.admit(), self._step.accounting():
+                _expect_fits([optimizer], [share])  # after admit(): a poisoned scaler refuses first
                 stats = self._check(share, limit, reporting)
                 optimizer.step(_ordered(share), stats)
             return stats
         shares = [list(g) if isinstance(g, Iterator) else g for g in _shares(gradients, len(optimizer))]
-        _expect_fits(optimizer, shares)
+        if len({id(each) for each in optimizer}) != len(optimizer):
+            raise ArgumentTypeError(
+                "step() got the same optimizer twice in its list: each optimizer applies a step once. Pass each "
+                "optimizer once, with all of its gradients."
+            )
         labelled: dict[Hashable, Any] = {}
         for index, share in enumerate(shares):
             entries = share.items() if isinstance(share, Mapping) else enumerate(share)
             labelled.update(((index, key), array) for key, array in entries)
         with self._step.lock.turn, self._step.admit(), self._step.accounting():
+            _expect_fits(optimizer, shares)
             stats = self._check(labelled, limit, reporting)
             for each, share in zip(optimizer, shares):
                 each.step(_ordered(share), stats)

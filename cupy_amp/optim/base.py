@@ -234,8 +234,13 @@ class FusedOptimizer:
 
         Raises:
             ArgumentTypeError, GradientTypeError, GradientValueError: As :meth:`step`.
+            ScalerProtocolError: An earlier step or load was interrupted while writing (until a load succeeds).
         """
-        arguments.expect_gradients(list(gradients), self._params, self._device)
+        self._refuse_torn("step()")
+        grads = list(gradients)
+        arguments.expect_gradients(grads, self._params, self._device)
+        if self._device < 0 or tuple(int(g.data.ptr) for g in grads) != self._table_key:  # as _tables_for does
+            arguments.refuse_shared(grads, self._params, (self._masters, *self._buffers.values()))
 
     def _step(self, grads: list[Any], stats: GradientStats | None) -> None:
         self._refuse_torn("step()")

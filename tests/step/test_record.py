@@ -129,3 +129,22 @@ def test_several_optimizers_have_their_gradients_checked_before_any_applies_the_
     scaler.step([first, second], [good, [np.full(4, 2.0, np.float32)]])
     scaler.update()
     assert w0.tolist() == w1.tolist() == [0.5] * 4 and scaler.stats().steps == 1
+
+
+def test_several_optimizers_refuse_before_the_check_a_torn_one_shared_memory_and_one_optimizer_twice(
+    face: Face,
+) -> None:
+    from cupy_amp import ArgumentTypeError, GradientValueError
+
+    w0, w1 = np.ones(4, np.float32), np.ones(4, np.float32)
+    first, second = SGD([w0], lr=0.5), SGD([w1], lr=0.5)
+    scaler = open_step(face(init_scale=2.0))
+    good = [np.full(4, 2.0, np.float32)]
+    with pytest.raises(GradientValueError, match="share memory"):
+        scaler.step([first, second], [good, [w1]])  # the second's gradient is its own parameter
+    with pytest.raises(ArgumentTypeError, match="same optimizer twice"):
+        scaler.step([first, first], [good, [np.full(4, 2.0, np.float32)]])
+    second._torn = "a step was interrupted (a stand-in)"
+    with pytest.raises(ScalerProtocolError, match="was interrupted"):
+        scaler.step([first, second], [good, [np.full(4, 2.0, np.float32)]])
+    assert w0.tolist() == [1.0] * 4 and first.step_count == 0  # the first applied nothing each time
