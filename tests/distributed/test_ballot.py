@@ -44,6 +44,8 @@ def test_a_ctrl_c_as_the_all_reduce_returns_joins_no_second_vote_and_every_rank_
             with pytest.raises(RanksMayDisagreeError):
                 getattr(scaler, method)(grads)  # its next all-reduce meets rank 0's poisoned vote
         refuses_every_call(scaler)
+        if scaler._step.poison_sender is not None:  # sent from a thread of its own: wait until it has voted
+            scaler._step.poison_sender.join(10)
         return [float(pair[0]) for pair in world.sums[rank]]
 
     world = FakeWorld(2)
