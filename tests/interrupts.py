@@ -12,7 +12,9 @@ from __future__ import annotations
 import functools
 import linecache
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +22,7 @@ import numpy as np
 
 import cupy_amp
 
-__all__ = ["interrupted"]
+__all__ = ["interrupted", "saves_refused_after_real_interrupts"]
 
 PACKAGE = os.path.realpath(os.path.dirname(cupy_amp.__file__)) + os.sep
 _BARE = ("try:", "else:", "finally:")
@@ -74,3 +76,45 @@ def interrupted(call: Callable[[], object], k: int, action: Callable[[], None] |
         sys.settrace(previous)
         np.seterr(**errors)  # an interrupted `with np.errstate(...)` would leave its settings behind
     return reached
+
+
+def saves_refused_after_real_interrupts(save: Callable[[], object], seconds: float = 3.0) -> tuple[int, list[str]]:
+    """Call ``save()`` in a loop while real SIGALRM signals raise KeyboardInterrupt at random points; after each
+    interrupt call it once more, as in an ``except KeyboardInterrupt:`` clause. Return (interrupts, the messages
+    of the ScalerProtocolErrors those calls raised).
+
+    Real signals land between any two bytecodes, where the traced sweeps do not look: inside a Python context
+    manager's ``__enter__`` after its lock was taken, for one.
+    """
+    from cupy_amp.errors import ScalerProtocolError
+
+    armed = False
+
+    def handler(signum: int, frame: Any) -> None:
+        if armed:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    interrupts, refused = 0, []
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            try:
+                armed = True
+                signal.setitimer(signal.ITIMER_REAL, 0.0002)
+                for _ in range(50):
+                    save()
+                armed = False
+            except KeyboardInterrupt:
+                armed = False
+                interrupts += 1
+                try:
+                    save()
+                except ScalerProtocolError as error:
+                    refused.append(str(error))
+            finally:
+                armed = False
+                signal.setitimer(signal.ITIMER_REAL, 0)
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    return interrupts, refused

@@ -15,7 +15,6 @@ import itertools
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import open_step
-from interrupts import interrupted
+from interrupts import interrupted, saves_refused_after_real_interrupts
 
 from cupy_amp import GradScaler
 from cupy_amp.errors import ScalerProtocolError
@@ -221,35 +220,7 @@ def test_a_real_interrupt_anywhere_leaves_no_lock_held_for_the_save_in_the_excep
     # Python context manager's __enter__, after its lock was taken. The save that the re-entry error
     # recommends (in an `except KeyboardInterrupt:` clause) must never find the lock held.
     opt = SGD([np.zeros(4, np.float32)], lr=0.1)
-    armed = False
-
-    def handler(signum: int, frame: Any) -> None:
-        if armed:
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    interrupts, refused = 0, []
-    deadline = time.monotonic() + 3.0
-    try:
-        while time.monotonic() < deadline:
-            try:
-                armed = True
-                signal.setitimer(signal.ITIMER_REAL, 0.0002)
-                for _ in range(50):
-                    opt.state_dict()
-                armed = False
-            except KeyboardInterrupt:
-                armed = False
-                interrupts += 1
-                try:
-                    opt.state_dict()
-                except ScalerProtocolError as error:
-                    refused.append(str(error))
-            finally:
-                armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+    interrupts, refused = saves_refused_after_real_interrupts(opt.state_dict)
     assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
     assert refused == []
 

@@ -23,7 +23,6 @@ import contextlib
 import itertools
 import signal
 import sys
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -31,7 +30,7 @@ import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld
 from helpers import open_step
-from interrupts import interrupted
+from interrupts import interrupted, saves_refused_after_real_interrupts
 
 from cupy_amp import DuplicateGradientError, GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
 from cupy_amp.distributed import POISON
@@ -268,35 +267,7 @@ def test_a_real_interrupt_anywhere_leaves_the_scaler_free_for_the_save_in_the_ex
     # manager's __enter__, after its lock was taken. The checkpoint taken in an `except KeyboardInterrupt:`
     # clause must never find the scaler held.
     scaler = face()
-    armed = False
-
-    def handler(signum: int, frame: Any) -> None:
-        if armed:
-            raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    interrupts, refused = 0, []
-    deadline = time.monotonic() + 3.0
-    try:
-        while time.monotonic() < deadline:
-            try:
-                armed = True
-                signal.setitimer(signal.ITIMER_REAL, 0.0002)
-                for _ in range(50):
-                    scaler.checkpoint()
-                armed = False
-            except KeyboardInterrupt:
-                armed = False
-                interrupts += 1
-                try:
-                    scaler.checkpoint()
-                except ScalerProtocolError as error:
-                    refused.append(str(error))
-            finally:
-                armed = False
-                signal.setitimer(signal.ITIMER_REAL, 0)
-    finally:
-        signal.signal(signal.SIGALRM, previous)
+    interrupts, refused = saves_refused_after_real_interrupts(scaler.checkpoint)
     assert interrupts >= 200, f"only {interrupts} interrupts landed: the test saw too few to judge"
     assert refused == []
 
