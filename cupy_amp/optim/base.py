@@ -275,9 +275,7 @@ class FusedOptimizer:
         hyper = int(self._device_record.data.ptr)
         address = 0 if source is None else int(source)
         self._torn = "a step was interrupted (or failed) between its launches"
-        if stats is not None:
-            stats.applied_by(self)
-            self._last_applied = stats
+        self._note_applying(stats)
         try:
             stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, address, self._stream)
         except ScalerProtocolError:
@@ -287,6 +285,12 @@ class FusedOptimizer:
             raise
         self._torn, self._stream = None, stream
 
+    def _note_applying(self, stats: StatsRecord | None) -> None:
+        """Note this optimizer as ``stats``' reader (once it is marked torn, before its first write)."""
+        if stats is not None:
+            stats.applied_by(self)
+            self._last_applied = stats
+
     def _host_step(self, grads: list[np.ndarray], source: np.ndarray | None, stats: StatsRecord | None) -> None:
         """Compute the step into new arrays, then write the parameters and swap the new state in."""
         skip = bool(source["skip"]) if source is not None else False
@@ -295,9 +299,7 @@ class FusedOptimizer:
         record = self._record.copy()
         self._begin(record, skip, factor)
         if skip:  # only the per-step fields change: nothing an interrupt could tear
-            if stats is not None:
-                stats.applied_by(self)
-                self._last_applied = stats
+            self._note_applying(stats)
             self._record = record
             return
         masters = list(self._masters)
@@ -316,9 +318,7 @@ class FusedOptimizer:
                 buffers[name][index] = moment
             values.append(weights if master is None else weights.astype(p.dtype))
         self._torn = "a step was interrupted while it wrote the parameters"
-        if stats is not None:
-            stats.applied_by(self)
-            self._last_applied = stats
+        self._note_applying(stats)
         for p, value in zip(self._params, values):
             p[...] = value
         self._record, self._masters, self._buffers, self._torn = record, masters, buffers, None
