@@ -1,6 +1,8 @@
-"""cupy_amp.chainer with Chainer 7.8.1 on the CPU (NumPy arrays): attaching, skipping, resuming, clipping, host reads.
+"""cupy_amp.chainer with Chainer 7.8.1: attaching, skipping, resuming, clipping, host reads.
 
-Skipped where Chainer is not importable (it needs NumPy < 2; .ci/run has a pass for it).
+Here on NumPy arrays (the ``device`` fixture, "@numpy"); tests/gpu/test_chainer_gpu.py runs every test of this
+file again on CuPy arrays ("@cupy:0"). Skipped where Chainer is not importable (it needs NumPy < 2, or
+``chainer_on_numpy2()``; .ci/run has a pass for it).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import re
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,33 @@ from cupy_amp.numpy_backend import HostState  # noqa: E402
 from cupy_amp.step import IDLE, SCALED  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
+ON: Any = None  # the Chainer device of the running test (set by on_device)
+
+
+@pytest.fixture
+def device() -> str:
+    """The Chainer device these tests run on; tests/gpu/test_chainer_gpu.py overrides it with "@cupy:0"."""
+    return "@numpy"
+
+
+@pytest.fixture(autouse=True)
+def on_device(device: str) -> Iterator[Any]:
+    """Build models and data on ``device`` (the helpers read ``ON``) and make it Chainer's current device."""
+    global ON
+    ON = chainer.get_device(device)
+    with chainer.using_device(ON):
+        yield ON
+    ON = None
+
+
+def host(array: Any) -> np.ndarray:
+    """A NumPy copy of a NumPy or CuPy array, to compare on the host."""
+    return np.array(chainer.backend.CpuDevice().send(array))
+
+
+def subprocess_env() -> dict[str, str]:
+    """This environment with the checkout first on PYTHONPATH (kept: it may name where Chainer is)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 @pytest.fixture(autouse=True)
@@ -74,14 +104,15 @@ class MLP(chainer.Chain):
 def spirals(count: int = 256) -> tuple[np.ndarray, np.ndarray]:
     """The demo's five spirals (generated, nothing downloaded): float32 points, int32 labels."""
     data = load_dataset("spirals", 0)
-    return data.x_train[:count], data.y_train[:count].astype(np.int32)
+    return ON.send(data.x_train[:count]), ON.send(data.y_train[:count].astype(np.int32))
 
 
 def build(dtype: Any = np.float16, weight: float = 1.0, optimizer: Any = None) -> tuple[Any, Any]:
     """A freshly initialized MLP (seeded) in ``dtype`` with ``optimizer`` (Adam) set up, fp32 update on."""
     with chainer.using_config("dtype", np.dtype(dtype)):
         np.random.seed(0)
-        model = MLP(weight)
+        model = MLP(weight)  # initialized on the host: the same weights on every device
+    model.to_device(ON)
     optimizer = optimizer if optimizer is not None else chainer.optimizers.Adam(alpha=1e-2)
     optimizer.setup(model)
     optimizer.use_fp32_update()
@@ -89,7 +120,7 @@ def build(dtype: Any = np.float16, weight: float = 1.0, optimizer: Any = None) -
 
 
 def arrays(model: Any) -> dict[str, np.ndarray]:
-    return {name: param.array.copy() for name, param in model.namedparams()}
+    return {name: host(param.array) for name, param in model.namedparams()}
 
 
 def assert_same_bits(left: dict[str, np.ndarray], right: dict[str, np.ndarray]) -> None:
@@ -146,24 +177,24 @@ def test_injected_inf_skips_the_step_keeps_the_parameters_and_names_the_culprit(
     x, t = spirals(64)
     x = x.astype(np.float16)
     optimizer.update(model, x, t)  # one clean step: the masters and Adam's moments exist
-    before, masters = arrays(model), {name: m.array.copy() for name, m in attachment.masters()}
-    moments = {name: {k: v.copy() for k, v in p.update_rule.state.items()} for name, p in model.namedparams()}
+    before, masters = arrays(model), {name: host(m.array) for name, m in attachment.masters()}
+    moments = {name: {k: host(v) for k, v in p.update_rule.state.items()} for name, p in model.namedparams()}
     model.cleargrads()
     attachment.backward(model(x, t))
     model.l2.W.grad[3, 4] = np.inf
     with caplog.at_level(logging.WARNING, logger="cupy_amp.chainer.attach"):
         optimizer.update()
     assert_same_bits(arrays(model), before)
-    assert_same_bits({name: m.array for name, m in attachment.masters()}, masters)
+    assert_same_bits({name: host(m.array) for name, m in attachment.masters()}, masters)
     for name, param in model.namedparams():
-        assert_same_bits(dict(param.update_rule.state), moments[name])
+        assert_same_bits({k: host(v) for k, v in param.update_rule.state.items()}, moments[name])
     stats = attachment.scaler.stats()
     assert stats.scale == 2.0**9 and stats.skipped_steps == 1 and stats.steps == 2
     assert attachment.scaler.nonfinite_gradients() == ["/l2/W"]
     assert "/l2/W" in caplog.text and "skipping step 2" in caplog.text
     optimizer.update(model, x, t)  # and training goes on
     assert not attachment.scaler.had_overflow()
-    assert all(np.isfinite(param.array).all() for param in model.params())
+    assert all(np.isfinite(host(param.array)).all() for param in model.params())
 
 
 def test_optimizer_t_counts_every_step_and_the_rules_count_the_updates_applied() -> None:
@@ -237,7 +268,7 @@ def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_
     with pytest.raises(KeyboardInterrupt):
         optimizer.update(model, x, t)
     assert all(param.dtype == np.float16 and param.grad.dtype == np.float16 for param in model.params())
-    assert_same_bits(arrays(model), {name: m.array.astype(np.float16) for name, m in attachment.masters()})
+    assert_same_bits(arrays(model), {name: host(m.array).astype(np.float16) for name, m in attachment.masters()})
     assert attachment.scaler.checkpoint().steps == 1  # the step was ended: a checkpoint can be taken
     optimizer.remove_hook("fails")
     optimizer.update(model, x, t)
@@ -280,7 +311,8 @@ def test_an_interrupt_at_any_line_of_a_step_leaves_float16_parameters_and_a_scal
         assert all(param.array.dtype == np.float16 for param in model.params()), where
         params = dict(model.namedparams())
         for name, master in attachment.masters():
-            np.testing.assert_array_equal(master.array.astype(np.float16), params[name].array, err_msg=where)
+            rounded = host(master.array).astype(np.float16)
+            np.testing.assert_array_equal(rounded, host(params[name].array), err_msg=where)
         assert attachment.scaler._step.phase in (IDLE, SCALED), where  # never left with unscaled gradients
         for _ in range(2):
             train_one_step(loop, attachment, x, t)
@@ -299,7 +331,7 @@ def make_trainer(out: Path, stop: int, register: bool = True) -> tuple[Any, Any]
     x, t = spirals(128)
     dataset = chainer.datasets.TupleDataset(x.astype(np.float16), t)
     iterator = chainer.iterators.SerialIterator(dataset, 32, shuffle=False)
-    poison = np.zeros((), np.float16)
+    poison = ON.xp.zeros((), np.float16)
 
     def loss(x: Any, t: Any) -> Any:
         poison[()] = np.inf if updater.iteration == 3 else 0
@@ -327,8 +359,8 @@ def test_trainer_snapshot_resumes_scale_counters_and_parameters_bit_for_bit(tmp_
     assert attachment.scaler.checkpoint() == whole_attachment.scaler.checkpoint()
     assert_same_bits(arrays(attachment.optimizer.target), arrays(whole_attachment.optimizer.target))
     assert_same_bits(
-        {name: master.array for name, master in attachment.masters()},
-        {name: master.array for name, master in whole_attachment.masters()},
+        {name: host(master.array) for name, master in attachment.masters()},
+        {name: host(master.array) for name, master in whole_attachment.masters()},
     )
 
 
@@ -359,8 +391,8 @@ def test_a_layer_frozen_at_the_snapshot_resumes_with_its_fp32_master(tmp_path: P
     assert attachment.scaler.checkpoint() == whole_attachment.scaler.checkpoint()
     assert_same_bits(arrays(attachment.optimizer.target), arrays(whole_attachment.optimizer.target))
     assert_same_bits(
-        {name: master.array for name, master in attachment.masters()},
-        {name: master.array for name, master in whole_attachment.masters()},
+        {name: host(master.array) for name, master in attachment.masters()},
+        {name: host(master.array) for name, master in whole_attachment.masters()},
     )
 
 
@@ -422,7 +454,7 @@ def test_a_snapshot_without_the_extensions_state_starts_the_scaler_afresh_with_a
     assert "holds no cupy-amp loss-scale state" in caplog.text
     params = dict(attachment.optimizer.target.namedparams())
     for name, master in attachment.masters():
-        np.testing.assert_array_equal(master.array, params[name].array.astype(np.float32), err_msg=name)
+        np.testing.assert_array_equal(host(master.array), host(params[name].array).astype(np.float32), err_msg=name)
     assert attachment.scaler.scale_factor() == 2.0**12
     resumed.run()
     assert attachment.scaler.stats().steps == 2
@@ -448,10 +480,10 @@ def one_step(scale: float | None, hook: Any, chainer_scale: float | None = None)
         attach(optimizer, GradScaler(init_scale=scale))
     if chainer_scale is not None:
         optimizer.set_loss_scale(chainer_scale)
-    start = {name: param.array.astype(np.float32) for name, param in model.namedparams()}
+    start = {name: host(param.array).astype(np.float32) for name, param in model.namedparams()}
     x, t = spirals(64)
     optimizer.update(model, x.astype(np.float16), t)
-    return {name: param.update_rule._fp32_param.array - start[name] for name, param in model.namedparams()}
+    return {name: host(param.update_rule._fp32_param.array) - start[name] for name, param in model.namedparams()}
 
 
 def norm(arrays: dict[str, np.ndarray]) -> float:
@@ -477,14 +509,19 @@ def test_optimizer_hooks_see_unscaled_gradients(hook: Any) -> None:
 def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: Any) -> None:
     """Count host reads of the gradients' verdict.
 
-    Ours: calls of ``HostState.read``, the scaler's only read of a verdict (on
-    the GPU ``DeviceState.read`` copies one flag there). Chainer's:
+    Ours: calls of the state's ``read`` (``HostState``'s on NumPy arrays,
+    ``DeviceState``'s on CuPy arrays, which copies the verdict's flags to the
+    host), the scaler's only read of a verdict. Chainer's:
     ``check_nan_in_grads`` turns ``xp.all(xp.isfinite(grad))`` into a Python
     bool once per parameter (a device-to-host copy each on the GPU); counted as
     its ``isfinite`` calls, with no cupy-amp code running.
     """
+    if ON.xp is np:
+        state = HostState
+    else:
+        from cupy_amp.cupy_backend import DeviceState as state
     reads, isfinite = [0], [0]
-    host_read, numpy_isfinite = HostState.read, np.isfinite
+    host_read, xp_isfinite = state.read, ON.xp.isfinite
 
     def counted_read(self: Any) -> Any:
         reads[0] += 1
@@ -492,9 +529,9 @@ def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: 
 
     def counted_isfinite(*args: Any, **kwargs: Any) -> Any:
         isfinite[0] += 1
-        return numpy_isfinite(*args, **kwargs)
+        return xp_isfinite(*args, **kwargs)
 
-    monkeypatch.setattr(HostState, "read", counted_read)
+    monkeypatch.setattr(state, "read", counted_read)
     x, t = spirals(64)
     x = x.astype(np.float16)
     model, optimizer = build()
@@ -503,7 +540,7 @@ def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: 
         optimizer.update(model, x, t)
     model, optimizer = build()
     optimizer.loss_scaling()
-    monkeypatch.setattr(np, "isfinite", counted_isfinite)
+    monkeypatch.setattr(ON.xp, "isfinite", counted_isfinite)
     for _ in range(3):
         optimizer.update(model, x, t)
     monkeypatch.undo()
@@ -523,7 +560,7 @@ def clipped_step_deltas(max_norm: float, clip: str, scale: float = 2.0**10) -> d
     start = arrays(model)
     x, t = spirals(64)
     optimizer.update(model, x, t)
-    return {name: param.array - start[name] for name, param in model.namedparams()}
+    return {name: host(param.array) - start[name] for name, param in model.namedparams()}
 
 
 def test_max_norm_clips_with_the_checks_norm_as_chainers_hook_does() -> None:
@@ -532,7 +569,7 @@ def test_max_norm_clips_with_the_checks_norm_as_chainers_hook_does() -> None:
     x, t = spirals(64)
     model.cleargrads()
     model(x, t).backward()
-    grads = {name: param.grad.astype(np.float64) for name, param in model.namedparams()}
+    grads = {name: host(param.grad).astype(np.float64) for name, param in model.namedparams()}
     total = float(np.sqrt(sum(float(np.sum(g * g)) for g in grads.values())))
     max_norm = total / 4  # the clip bites: every gradient a quarter of its size
     fused, hook = clipped_step_deltas(max_norm, "fused"), clipped_step_deltas(max_norm, "hook")
@@ -734,19 +771,21 @@ def test_importing_cupy_amp_chainer_does_not_import_chainer() -> None:
 
 
 @pytest.mark.slow
-def test_example_trains_with_the_extension(tmp_path: Path) -> None:
+def test_example_trains_with_the_extension(tmp_path: Path, device: str) -> None:
     script = REPO / "examples" / "chainer_train.py"
     done = subprocess.run(
-        [sys.executable, str(script), "--epochs", "2", "--device", "cpu", "--out", str(tmp_path)],
+        [sys.executable, str(script), "--epochs", "2", "--device", device, "--out", str(tmp_path)],
         cwd=tmp_path,
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
+        env=subprocess_env(),
     )
     assert done.returncode == 0, done.stderr
     assert "loss_scale" in done.stdout and "accuracy" in done.stdout
-    assert re.search(r"^\d+ steps in [\d.]+ s: \d+ steps/s on @numpy$", done.stdout, re.MULTILINE), done.stdout
+    steps = rf"^\d+ steps in [\d.]+ s: \d+ steps/s on {re.escape(device)}$"
+    assert re.search(steps, done.stdout, re.MULTILINE), done.stdout
 
 
 def test_an_attached_optimizer_and_its_scaler_are_freed_with_it() -> None:
@@ -763,13 +802,12 @@ def test_an_attached_optimizer_and_its_scaler_are_freed_with_it() -> None:
     assert [ref() for ref in gone] == [None, None]
 
 
-def test_the_chainer_benchmark_runs_and_counts_one_read_against_one_per_parameter(tmp_path: Path) -> None:
+def test_the_chainer_benchmark_runs_and_counts_one_read_against_one_per_parameter(tmp_path: Path, device: str) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, str(REPO / "tools" / "bench_chainer.py"), "--layers", "3", "--width", "16", "--batch", "8",
-         "--steps", "1", "--repeats", "1", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False,
-        env={**os.environ, "PYTHONPATH": str(REPO)},
+         "--steps", "1", "--repeats", "1", "--device", device, "--json", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300, check=False, env=subprocess_env(),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     rows = {row["setting"]: row for row in json.loads(out.read_text())["rows"]}
