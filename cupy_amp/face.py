@@ -143,6 +143,24 @@ class Face:
             if state is not None:
                 state.scale_loss(array)
 
+    def abandon_step(self) -> None:
+        """End a step whose backward pass failed: after ``scale_loss``, before any gradient call.
+
+        For an exception or a Ctrl-C in the backward pass: the scale, the
+        counters and the statistics records stay as they were before
+        ``scale_loss`` (no step is counted), and ``checkpoint()`` works again.
+        The step's scaled loss and whatever gradients its backward pass made
+        must be thrown away (zero or clear them). Does nothing between steps.
+        Never synchronizes the device.
+
+        Raises:
+            ScalerProtocolError: A gradient call of the step ran (the gradients were
+                unscaled or checked, or such a call failed): call ``update()``, which
+                ends the step (a failed call already counts it as an overflow).
+        """
+        with self._step.lock.turn, self._step.admit():
+            self._step.abandon()
+
     def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.
 

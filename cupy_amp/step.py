@@ -160,6 +160,16 @@ class Step:
                 f"in between: update() was forgotten. {_STEP} Without update() the scale never adapts."
             )
 
+    def abandon(self) -> None:
+        """End a step that has a scaled loss and nothing else (its backward pass failed); nothing else changes."""
+        if self.phase in (UNSCALED, INSPECTED):
+            raise ScalerProtocolError(
+                f"abandon_step() was called after this step's gradients were {self.phase[len('gradients ') :]}: "
+                "the step has a verdict to apply. Call update(), which ends it (skipped if any gradient held "
+                "inf/nan, or if a gradient call failed)."
+            )
+        self.phase = IDLE  # SCALED changed nothing else: the last step's records and verdict stand
+
     def scaled(self) -> None:
         """Enter the phase of a scaled loss (after :meth:`refuse_scale_loss`)."""
         self.phase = SCALED
@@ -211,7 +221,8 @@ class Step:
             done = "scale_loss()" if self.phase == SCALED else "unscale_and_check() or check()"
             raise ScalerProtocolError(
                 f"{what} in the middle of a step ({done} was called and update() was not yet): the step's loss "
-                f"and gradients use the current scale. Call it before scale_loss() or after update()."
+                f"and gradients use the current scale. Call it before scale_loss() or after update()"
+                + (" (after a failed backward pass, abandon_step() drops the step)." if self.phase == SCALED else ".")
             )
 
     # The gradient calls.

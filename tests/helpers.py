@@ -137,6 +137,7 @@ def refuses_every_call(scaler: Any, optimizer: Any = None, xp: Any = np) -> None
         scaler.update,
         scaler.checkpoint,
         lambda: scaler.scale_loss(loss),
+        scaler.abandon_step,
         lambda: scaler.unscale_and_check(grads),
         lambda: scaler.check(grads),
         lambda: scaler.load_checkpoint(type(scaler)().checkpoint()),

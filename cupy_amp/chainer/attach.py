@@ -230,7 +230,11 @@ class Attachment:
         if not self._seeded:  # the step's first backward: last step's gradients must be gone
             self._refuse_stale_gradients(checking=False)
         self._seed(loss)
-        loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
+        try:
+            loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
+        except BaseException:
+            self._abandon()  # the step is dropped; its partial gradients are noted as left (cleargrads() next)
+            raise
 
     def extension(self) -> LossScaleExtension:
         """Return a Trainer extension that reports the scale and serializes the scaler."""
@@ -503,13 +507,15 @@ class Attachment:
             self._masters.pop()
 
     def _abandon(self) -> None:
-        """After an exception inside ``update()``: end the scaler's step and put the parameters back."""
+        """After an exception in a seeded backward pass or inside ``update()``: end the scaler's step (dropped
+        before its check, ended by ``update()`` after it) and put the parameters back."""
         self._seeded = False
         if self._checked:
-            # A check refused before it counted leaves nothing to end: the scaler refuses update() then.
-            with contextlib.suppress(ScalerProtocolError):
+            with contextlib.suppress(ScalerProtocolError):  # a check refused before it counted: nothing to end
                 self._scaler.update()
             self._checked = False
+        with contextlib.suppress(ScalerProtocolError):  # raised only where a counted call left update() to do
+            self._scaler.abandon_step()  # a scaled loss and no counted gradient call: dropped, nothing counted
         self._optimizer._loss_scale = self._scaler.scale_factor()  # the next seed, whatever was interrupted
         self._finish_parameters()  # unscaled or not, a retry must start from cleared gradients
 

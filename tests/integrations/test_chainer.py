@@ -156,15 +156,17 @@ def train_spirals(mode: str, steps: int = 150, dtype: Any = np.float16) -> tuple
 
 @pytest.mark.slow
 def test_fp16_mlp_learns_tiny_gradients_where_chainer_lags_and_unscaled_fp16_fails() -> None:
-    # (accuracy, loss) after 150 steps, NumPy 1.26: ours (0.914, 0.412), Chainer's (0.766, 0.712), unscaled
-    # (0.109, 1.651: the untrained model's), float32 (0.902, 0.433). After 300 steps Chainer's catches up.
+    # (accuracy, loss) after 150 steps, NumPy 1.26 on a CPU: ours (0.914, 0.412), Chainer's (0.766, 0.712),
+    # unscaled (0.109, 1.651: the untrained model's), float32 (0.902, 0.433); README.md has the H200's. After
+    # 300 steps Chainer's catches up.
     ours = train_spirals("cupy-amp")
     chainers = train_spirals("chainer")
     unscaled = train_spirals("none")
     fp32 = train_spirals("none", dtype=np.float32)
     untrained = train_spirals("none", steps=0)
-    assert ours[0] >= fp32[0] - 0.05 and ours[1] <= 1.2 * fp32[1]  # as good as float32
-    assert chainers[0] <= ours[0] - 0.1 and chainers[1] >= 1.5 * ours[1]
+    seen = f"ours {ours}, Chainer's {chainers}, float32 {fp32}"
+    assert ours[0] >= fp32[0] - 0.05 and ours[1] <= 1.2 * fp32[1], seen  # as good as float32
+    assert chainers[0] <= ours[0] - 0.05 and chainers[1] >= 1.2 * ours[1], seen  # Chainer's ceiling costs it
     assert unscaled == untrained  # nothing learned: every gradient was 0
 
 
@@ -273,6 +275,46 @@ def test_an_exception_inside_the_step_puts_float16_parameters_back_and_ends_the_
     optimizer.remove_hook("fails")
     optimizer.update(model, x, t)
     assert attachment.scaler.stats().steps == 2
+
+
+class InterruptingBackward(chainer.Function):
+    """The identity whose backward raises KeyboardInterrupt: a Ctrl-C in the middle of the backward pass."""
+
+    def forward(self, inputs: Any) -> Any:
+        return inputs
+
+    def backward(self, inputs: Any, grads: Any) -> Any:
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("loop", ["lossfun", "manual"])
+def test_a_ctrl_c_in_the_backward_pass_drops_the_step_and_the_save_in_the_handler_works(loop: str) -> None:
+    # The backward pass is where a Ctrl-C usually lands. The step is dropped before its check: nothing was
+    # counted, the checkpoint in the except clause is taken, and the run goes on as if the step never was.
+    x, t = spirals(32)
+    x = x.astype(np.float16)
+    runs = []
+    for interrupt in (True, False):
+        model, optimizer = build()
+        attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
+        optimizer.update(model, x, t)
+        if interrupt:
+            before = attachment.scaler.checkpoint()
+            with pytest.raises(KeyboardInterrupt):
+                if loop == "lossfun":
+                    optimizer.update(lambda model=model: InterruptingBackward()(model(x, t)))
+                else:
+                    model.cleargrads()
+                    attachment.backward(InterruptingBackward()(model(x, t)))
+            assert attachment.scaler.checkpoint() == before  # the handler's save: nothing of the step counted
+            if loop == "manual":
+                with pytest.raises(ScalerProtocolError, match=r"no backward pass since the last step"):
+                    optimizer.update()  # the dropped step's gradients are never applied
+        for _ in range(3):
+            train_one_step(loop, attachment, x, t)
+        runs.append((arrays(model), attachment.scaler.checkpoint()))
+    assert_same_bits(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
 
 
 def train_one_step(loop: str, attachment: Any, x: Any, t: Any) -> None:

@@ -205,3 +205,65 @@ def test_scale_loss_refuses_a_float16_loss_on_every_scaler(make: Any, shape: tup
     assert np.all(loss == 1.5)
     assert observable(scaler) == before  # no step opened: checkpoint() still works
     scaler.scale_loss(loss.astype(np.float32))  # the same loss in float32 is taken
+
+
+# abandon_step(): a step whose backward pass failed, dropped before any gradient call.
+
+
+def test_abandon_step_after_scale_loss_leaves_the_scaler_as_before_the_step(face: Face) -> None:
+    scaler = face(init_scale=4.0, growth_interval=1)
+    open_step(scaler)
+    scaler.unscale_and_check([np.array([np.inf], np.float32)])
+    scaler.update()  # a step with a verdict and a culprit, which the abandoned step must not hide
+    before = observable(scaler)
+    open_step(scaler)
+    with pytest.raises(ScalerProtocolError, match=r"in the middle of a step .* abandon_step\(\) drops the step"):
+        scaler.checkpoint()  # the Ctrl-C handler's save, refused while the loss is scaled
+    scaler.abandon_step()
+    assert observable(scaler) == before  # no step counted, the last verdict and culprits kept, checkpoint() works
+    scaler.abandon_step()  # between steps: nothing to do
+    assert observable(scaler) == before
+    with pytest.raises(ScalerProtocolError, match="without an unscale_and_check"):
+        scaler.update()  # the dropped step left nothing to end
+    with pytest.raises(ScalerProtocolError, match=r"had no scale_loss\(\)"):
+        scaler.unscale_and_check([np.ones(2, np.float32)])  # its scale_loss does not open the next step
+    # The next step runs as if the abandoned one had never been: the same as a scaler that never saw it.
+    twin = face(init_scale=4.0, growth_interval=1)
+    twin.load_checkpoint(scaler.checkpoint())
+    for each in (scaler, twin):
+        open_step(each)
+        each.unscale_and_check([np.full(2, 8.0, np.float32)])
+        each.update()
+    assert observable(scaler) == observable(twin)
+    assert scaler.stats().steps == 2 and scaler.scale_factor() == 4.0
+
+
+@pytest.mark.parametrize("name", CALLS)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+def test_abandon_step_after_a_gradient_call_is_refused_and_changes_nothing(face: Face, name: str, bad: bool) -> None:
+    scaler = face(init_scale=4.0)
+    open_step(scaler)
+    gradient_call(scaler, name, [np.array([np.inf if bad else 8.0], np.float32)])
+    with pytest.raises(ScalerProtocolError, match=r"abandon_step\(\) was called after .* Call update\(\)"):
+        scaler.abandon_step()
+    scaler.update()  # the step's verdict is applied as it would have been
+    assert (scaler.stats().steps, scaler.stats().skipped_steps) == (1, int(bad))
+
+
+def test_abandon_step_after_a_failed_gradient_call_is_refused(face: Face, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A call that fails once it may have written counts the step as an overflow: that step must reach update().
+    from cupy_amp.numpy_backend import HostState
+
+    def broken(self: Any, call: Any) -> Any:
+        raise RuntimeError("the device broke")
+
+    scaler = face(init_scale=4.0)
+    open_step(scaler)
+    monkeypatch.setattr(HostState, "unscale", broken)
+    with pytest.raises(RuntimeError, match="the device broke"):
+        scaler.unscale_and_check([np.full(2, 8.0, np.float32)])
+    monkeypatch.undo()
+    with pytest.raises(ScalerProtocolError, match=r"abandon_step\(\) was called after"):
+        scaler.abandon_step()
+    scaler.update()
+    assert scaler.stats().skipped_steps == 1

@@ -119,7 +119,7 @@ def test_reading_the_scaler_from_inside_its_own_call_works(face: Face) -> None:
     assert vote.seen == [(0, face is SYNC_FREE, [])]
 
 
-METHODS = ["update", "checkpoint", "load_checkpoint", "unscale_and_check", "scale_loss"]  # and set_enabled
+METHODS = ["update", "checkpoint", "load_checkpoint", "unscale_and_check", "scale_loss", "abandon_step"]  # +set_enabled
 
 
 @pytest.mark.parametrize(
@@ -135,6 +135,7 @@ def test_changing_the_scaler_from_inside_its_own_call_raises_instead_of_hanging(
         "load_checkpoint": lambda: scaler.load_checkpoint(face().checkpoint()),
         "unscale_and_check": lambda: scaler.unscale_and_check([np.ones(2, np.float32)]),
         "scale_loss": lambda: scaler.scale_loss(np.ones((), np.float32)),
+        "abandon_step": lambda: scaler.abandon_step(),
         "set_enabled": lambda: scaler.set_enabled(False),
     }
 
