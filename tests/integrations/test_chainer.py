@@ -170,6 +170,59 @@ def test_fp16_mlp_learns_tiny_gradients_where_chainer_lags_and_unscaled_fp16_fai
     assert unscaled == untrained  # nothing learned: every gradient was 0
 
 
+class BatchNormMLP(chainer.Chain):
+    """Linear, BatchNormalization, ReLU, Linear: under ``mixed16`` the linear layers hold float16 parameters
+    and the normalization float32 ones (it computes in float32)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with self.init_scope():
+            self.l1 = L.Linear(2, 32)
+            self.bn = L.BatchNormalization(32)
+            self.l2 = L.Linear(32, 5)
+
+    def __call__(self, x: Any, t: Any) -> Any:
+        return F.softmax_cross_entropy(F.cast(self.l2(F.relu(self.bn(self.l1(x)))), "float32"), t)
+
+
+def train_batch_norm_mlp(dtype: Any, steps: int = 80) -> tuple[list[float], Any]:
+    """Train a BatchNormMLP built under ``chainer.config.dtype = dtype``; return its losses and attachment
+    (a GradScaler on fp32 masters for mixed16, none for float32)."""
+    with chainer.using_config("dtype", dtype):
+        np.random.seed(0)
+        model = BatchNormMLP()
+        model.to_device(ON)
+        x, t = spirals(128)
+        x = x.astype(np.float16 if dtype is chainer.mixed16 else np.float32)  # mixed16's inputs are float16
+        optimizer = chainer.optimizers.Adam(alpha=1e-2)
+        optimizer.setup(model)
+        attachment = None
+        if dtype is chainer.mixed16:
+            optimizer.use_fp32_update()
+            attachment = attach(optimizer, GradScaler(init_scale=2.0**16, growth_interval=5))
+        losses = []
+        for _ in range(steps):
+            losses.append(float(model(x, t).array))
+            optimizer.update(model, x, t)
+    return losses, attachment
+
+
+def test_a_mixed16_model_with_batch_normalization_trains_as_float32_does() -> None:
+    # The README's recipe for a float16 model: chainer.mixed16 (float16 linear layers, float32 normalization),
+    # fp32 masters, the loss in float32.
+    losses, attachment = train_batch_norm_mlp(chainer.mixed16)
+    model = attachment.optimizer.target
+    dtypes = {name: param.dtype for name, param in model.namedparams()}
+    assert dtypes["/l1/W"] == np.float16 and dtypes["/bn/gamma"] == np.float32  # float16 again after each step
+    masters = dict(attachment.masters())
+    assert set(masters) == {name for name, dtype in dtypes.items() if dtype == np.float16}
+    assert all(master.dtype == np.float32 for master in masters.values())
+    assert attachment.scaler.stats().steps == 80
+    reference, _ = train_batch_norm_mlp(np.float32)
+    assert losses[-1] < 0.85 * losses[0] and reference[-1] < 0.85 * reference[0], (losses, reference)  # both learn
+    assert losses[-1] == pytest.approx(reference[-1], rel=0.03), (losses[-1], reference[-1])  # alike
+
+
 # Skipping.
 
 
