@@ -7,7 +7,7 @@ memory shared with an array an earlier call of the step unscaled is
 :mod:`cupy_amp.claims`' to find.
 A parsed call is plain data (:class:`Call`) that the scaler hands to the
 backend that owns its arrays: :mod:`cupy_amp.numpy_backend` or
-:mod:`cupy_amp.cupy_backend` (imported only when a GPU array shows up).
+:mod:`cupy_amp.gpu.backend` (imported only when a GPU array shows up).
 """
 
 from __future__ import annotations
@@ -41,10 +41,10 @@ def describe(label: Hashable) -> str:
 
 def _cupy_backend() -> Backend | None:
     try:
-        from cupy_amp import cupy_backend
+        from cupy_amp.gpu import backend
     except ImportError:  # no CuPy: the NumPy path works without it
         return None
-    return cupy_backend
+    return backend
 
 
 def _backend_of(obj: Any) -> tuple[Backend, Any] | None:

@@ -95,7 +95,7 @@ def _multiply(array: np.ndarray, factor: np.float32) -> None:
 
 
 class HostStatsRecord:
-    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.device_stats.DeviceStatsRecord`).
+    """A scaler's statistics record on the host (the NumPy path's :class:`~cupy_amp.gpu.stats.DeviceStatsRecord`).
 
     Attributes:
         memory: The 0-d STATS record.
@@ -115,7 +115,7 @@ class HostStatsRecord:
 
 
 class HostState:
-    """A scaler's state on the host: the reference for :class:`~cupy_amp.cupy_backend.DeviceState`.
+    """A scaler's state on the host: the reference for :class:`~cupy_amp.gpu.backend.DeviceState`.
 
     The same operations with the same meaning, for NumPy arrays (and for a
     scaler that has met no array yet): ``finite`` is a 0-d bool array to gate

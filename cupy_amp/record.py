@@ -13,7 +13,7 @@ of streams or threads:
 - **applied once**: each optimizer applies a step's record once;
 - **order**: on the GPU, every read is queued after the record's last write,
   and the next write (any of the scaler's kernels) after every read, whatever
-  their streams (:class:`cupy_amp.kernel_launch.StreamOrder`). On the host, the
+  their streams (:class:`cupy_amp.gpu.launch.StreamOrder`). On the host, the
   record's lock keeps a reader and the scaler's next writes apart.
 
 :class:`GradientStats`, what ``check()`` returns, is a frozen value: views of
@@ -39,7 +39,7 @@ class StatsRecord:
     Attributes:
         source: The record itself, a 0-d STATS array on the host, or its address on the device.
         device: Where it is (-1: the host).
-        order: The state's :class:`~cupy_amp.kernel_launch.StreamOrder` on the GPU; None on the host.
+        order: The state's :class:`~cupy_amp.gpu.launch.StreamOrder` on the GPU; None on the host.
     """
 
     def __init__(self, source: np.ndarray | int, device: int, order: Any = None) -> None:

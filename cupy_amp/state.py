@@ -2,11 +2,11 @@
 the validated call (:class:`Call`, its arrays' :class:`Footprint`) they run.
 
 Two implementations follow :class:`State`: :class:`cupy_amp.numpy_backend.HostState`
-(NumPy, the reference numerics) and :class:`cupy_amp.cupy_backend.DeviceState`
+(NumPy, the reference numerics) and :class:`cupy_amp.gpu.backend.DeviceState`
 (the scale, counters and flags in device memory, stepped by kernels). Every
 operation but :meth:`State.read`, :meth:`State.snapshot`, :meth:`State.restore`
 and :meth:`State.culprits` queues its work and returns without waiting. The two
-backend modules, :mod:`cupy_amp.numpy_backend` and :mod:`cupy_amp.cupy_backend`,
+backend modules, :mod:`cupy_amp.numpy_backend` and :mod:`cupy_amp.gpu.backend`,
 follow :class:`Backend` (mypy checks each module against it).
 """
 

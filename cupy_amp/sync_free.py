@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Hashable
 from typing import Any
 
@@ -12,6 +11,7 @@ from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ArgumentTypeError, ConfigError
 from cupy_amp.face import Face
+from cupy_amp.gpu import loaded_cupy
 from cupy_amp.gradient_call import unscale_call
 from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
@@ -169,7 +169,7 @@ class SyncFreeGradScaler(Face):
                 f"apply_if_finite expected as many updates as targets, got {len(updates)} and {len(targets)}."
             )
         state = self._state
-        copyto = np.copyto if isinstance(state.finite, np.ndarray) else sys.modules["cupy"].copyto
+        copyto = np.copyto if isinstance(state.finite, np.ndarray) else loaded_cupy().copyto
         state.follow()  # after the state's last work, whichever stream that was on
         for target, update in zip(targets, updates):
             copyto(target, update, where=state.finite)

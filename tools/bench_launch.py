@@ -20,7 +20,9 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import SyncFreeGradScaler, cupy_backend, kernel_interface, kernel_launch
+from cupy_amp import SyncFreeGradScaler, kernel_interface
+from cupy_amp.gpu import backend as cupy_backend
+from cupy_amp.gpu import launch as kernel_launch
 
 
 def per_launch_us(launch: Any, launches: int, repeats: int) -> float:

@@ -31,7 +31,8 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import GradientSet, GradScaler, cupy_backend, kernel_interface
+from cupy_amp import GradientSet, GradScaler, kernel_interface
+from cupy_amp.gpu import backend as cupy_backend
 from cupy_amp.rule import ScalerConfig, ScalerState
 
 INV_SCALES = (np.float32(2.0**-16), np.float32(2.0**16))

@@ -51,17 +51,15 @@ import gc
 import logging
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
+from cupy_amp.chainer.extension import LossScaleExtension
 from cupy_amp.errors import ArgumentTypeError, GradientTypeError, GradientValueError, ScalerProtocolError
 from cupy_amp.rule import inverse_scale
 from cupy_amp.scaler import GradScaler
 from cupy_amp.statistics import expect_max_norm
-
-if TYPE_CHECKING:
-    from cupy_amp.chainer.extension import LossScaleExtension
 
 __all__ = ["Attachment", "attach"]
 
@@ -238,8 +236,6 @@ class Attachment:
 
     def extension(self) -> LossScaleExtension:
         """Return a Trainer extension that reports the scale and serializes the scaler."""
-        from cupy_amp.chainer.extension import LossScaleExtension
-
         return LossScaleExtension(self)
 
     def masters(self) -> Iterator[tuple[str, Any]]:

@@ -3,17 +3,30 @@
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from typing import Any, Protocol
 
 import numpy as np
 
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.errors import CheckpointFieldError, ScalerProtocolError
-
-if TYPE_CHECKING:
-    from cupy_amp.chainer.attach import Attachment
+from cupy_amp.scaler import GradScaler
 
 __all__ = ["LossScaleExtension"]
+
+
+class Attached(Protocol):
+    """What the extension reads of an attachment (:class:`cupy_amp.chainer.attach.Attachment`, which builds it)."""
+
+    @property
+    def scaler(self) -> GradScaler: ...
+    @property
+    def optimizer(self) -> Any: ...
+    @property
+    def attached_at(self) -> int: ...
+    def master_slots(self) -> Iterator[tuple[str, Any]]: ...
+    def load_checkpoint(self, checkpoint: Any) -> None: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +58,7 @@ class LossScaleExtension:
     priority = _PRIORITY_WRITER
     default_name = "cupy_amp_loss_scale"
 
-    def __init__(self, attachment: Attachment) -> None:
+    def __init__(self, attachment: Attached) -> None:
         self._attachment = attachment
         self._loaded = False  # a snapshot was loaded through it (holding its state or not)
 

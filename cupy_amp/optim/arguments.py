@@ -8,7 +8,6 @@ nothing the step writes.
 from __future__ import annotations
 
 import itertools
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.errors import ArgumentTypeError, GradientTypeError, GradientValueError
+from cupy_amp.gpu import loaded_cupy
 from cupy_amp.record import GradientStats
 
 __all__ = ["PARAM_DTYPES", "expect_gradients", "expect_params", "expect_stats", "refuse_shared"]
@@ -31,7 +31,7 @@ def expect_params(params: list[Any]) -> tuple[Any, int]:
         GradientValueError: Read-only, not C-contiguous, misaligned, on several devices, or sharing memory.
     """
     kinds = set()
-    cupy = sys.modules.get("cupy")
+    cupy = loaded_cupy()
     for index, p in enumerate(params):
         module = "numpy" if isinstance(p, np.ndarray) else "cupy" if cupy and isinstance(p, cupy.ndarray) else None
         if module is None:
@@ -48,7 +48,7 @@ def expect_params(params: list[Any]) -> tuple[Any, int]:
     if kinds == {"numpy"}:
         xp, devices = np, {-1}
     else:
-        xp = sys.modules["cupy"]
+        xp = cupy
         devices = {p.data.device_id for p in params}
     if len(devices) > 1:
         raise GradientValueError(f"params are on several devices {sorted(devices)}; use one optimizer per device.")

@@ -94,7 +94,7 @@ class FusedOptimizer:
         self._stream: Any = None  # where the last step was queued: a step on another stream waits for it
         self._last_applied: StatsRecord | None = None  # a load lets this optimizer apply its record again
         if self._device >= 0:
-            from cupy_amp.optim import launches
+            from cupy_amp.gpu import optimizer_launches as launches
 
             self._backend = launches
             launches.load_optimizer(self._layout.kind, self._device)

@@ -32,7 +32,8 @@ from cupy_amp import (
     GradScalerStats,
     SyncFreeGradScaler,
 )
-from cupy_amp.distributed import NcclAllReduce, communicator_for
+from cupy_amp.distributed import communicator_for
+from cupy_amp.gpu.nccl import NcclAllReduce
 
 CONFIG: dict[str, Any] = {
     "init_scale": 1024.0,

@@ -21,9 +21,9 @@ from cupy_amp import (  # noqa: E402
     GradientTypeError,
     GradientValueError,
     GradScaler,
-    cupy_backend,
-    device_tables,
 )
+from cupy_amp.gpu import backend as cupy_backend  # noqa: E402
+from cupy_amp.gpu import tables as device_tables  # noqa: E402
 from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
 from cupy_amp.rule import ScalerState  # noqa: E402
 
@@ -411,7 +411,7 @@ def test_import_compiles_nothing() -> None:
         created = []
         real = cupy.RawModule
         cupy.RawModule = lambda *args, **kwargs: created.append(args) or real(*args, **kwargs)
-        import cupy_amp, cupy_amp.cupy_backend
+        import cupy_amp, cupy_amp.gpu.backend
         assert not created, created
         print("ok")
         """

@@ -102,7 +102,7 @@ def test_warps_that_walk_many_chunks_report_and_sum_as_numpy(
     Its report is flushed each time the tensor changes, a NaN in a late chunk is still found, and the norm's
     bits repeat from step to step and stay within a float32 ulp of NumPy's (and of the full grid's).
     """
-    from cupy_amp import device_stats
+    from cupy_amp.gpu import stats as device_stats
 
     full_grid = open_step(face(init_scale=1.0), cupy)
     host, device = many_chunks_per_warp(dtype, nan=False)

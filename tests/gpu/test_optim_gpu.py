@@ -397,7 +397,7 @@ def test_a_finish_that_fails_after_the_all_reduce_sends_the_poison_instead_of_a_
     """The all-reduce answered "all finite": the other ranks finish and apply the step. This rank's finish
     fails, so it cannot: it must neither vote again (that vote would pair with the others' next one) nor go
     on as if it had overflowed alone. It sends the poisoned vote once and refuses every later call."""
-    from cupy_amp import device_stats
+    from cupy_amp.gpu import stats as device_stats
 
     grads = [cupy.ones(100, cupy.float32)]
     others = OtherRanks(0.0, 0.0)

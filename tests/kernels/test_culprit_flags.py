@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-cupy_backend = pytest.importorskip("cupy_amp.cupy_backend")
+cupy_backend = pytest.importorskip("cupy_amp.gpu.backend")
 
 
 class Flags:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-device_stats = pytest.importorskip("cupy_amp.device_stats")
+device_stats = pytest.importorskip("cupy_amp.gpu.stats")
 WARPS = device_stats._WARPS_PER_BLOCK
 
 

@@ -166,7 +166,7 @@ def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
     scaler already has, a DeviceState once GPU arrays placed one. Run here without a GPU: only the record's
     host-side logic, with stand-ins for its device memory and its finishing launch.
     """
-    device_stats = pytest.importorskip("cupy_amp.device_stats")
+    device_stats = pytest.importorskip("cupy_amp.gpu.stats")
     finished: list[dict[str, Any]] = []
     record = object.__new__(device_stats.DeviceStatsRecord)
     record._grid = 4

@@ -436,9 +436,9 @@ class _FakeGpuArray:
 @pytest.fixture
 def fake_cupy_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replace the CuPy backend module (which needs a GPU) by a stub that may only validate."""
-    import cupy_amp
+    import cupy_amp.gpu
 
-    module = types.ModuleType("cupy_amp.cupy_backend")
+    module = types.ModuleType("cupy_amp.gpu.backend")
     module.NAME = "cupy"  # type: ignore[attr-defined]
     module.as_array = lambda obj: obj if isinstance(obj, _FakeGpuArray) else None  # type: ignore[attr-defined]
     module.write_problem = lambda array, source: None  # type: ignore[attr-defined]
@@ -447,8 +447,8 @@ def fake_cupy_backend(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError(f"the CuPy backend must not be used for a rejected call ({name})")
 
     module.__getattr__ = anything_else  # type: ignore[method-assign]
-    monkeypatch.setitem(sys.modules, "cupy_amp.cupy_backend", module)
-    monkeypatch.setattr(cupy_amp, "cupy_backend", module, raising=False)
+    monkeypatch.setitem(sys.modules, "cupy_amp.gpu.backend", module)
+    monkeypatch.setattr(cupy_amp.gpu, "backend", module, raising=False)  # an import made earlier binds it there
 
 
 @pytest.mark.usefixtures("fake_cupy_backend")

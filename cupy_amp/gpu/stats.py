@@ -1,7 +1,7 @@
 """The statistics pass on the GPU: a scaler's Stats record, the blocks' sums and report, and their launches.
 
 ``check()`` queues one statistics launch per dtype over the gradient tables
-(:mod:`cupy_amp.device_tables`), then one block that finishes the step's
+(:mod:`cupy_amp.gpu.tables`), then one block that finishes the step's
 statistics (:data:`cupy_amp.kernel_interface.STATS`); each warp walks chunks of
 its own (``kernels/grad_stats.cu``). The NumPy reference is
 :mod:`cupy_amp.statistics`.
@@ -15,9 +15,9 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp.device_tables import GradientGroup
+from cupy_amp.gpu.launch import _Launcher, _on_device, launcher, refuse_capture
+from cupy_amp.gpu.tables import GradientGroup
 from cupy_amp.kernel_interface import STATS, THREADS
-from cupy_amp.kernel_launch import _Launcher, _on_device, launcher, refuse_capture
 from cupy_amp.record import StatsRecord
 
 __all__ = ["DeviceStatsRecord"]

@@ -1,4 +1,4 @@
-"""The fused optimizers' work on the GPU: the launches of one step (their tables: :mod:`cupy_amp.device_tables`).
+"""The fused optimizers' work on the GPU: the launches of one step (their tables: :mod:`cupy_amp.gpu.tables`).
 
 A step is a one-thread begin kernel (it reads the statistics record of the
 scaler's ``check()`` and opens the step on the optimizer's record), then one
@@ -14,10 +14,10 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp import kernel_launch
-from cupy_amp.device_tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
+from cupy_amp.gpu.launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
+from cupy_amp.gpu.launch import capturing as _stream_capturing
+from cupy_amp.gpu.tables import PARAM_CHUNK_ELEMENTS, ParamTable, param_tables
 from cupy_amp.kernel_interface import PARAM_DTYPE_NAMES
-from cupy_amp.kernel_launch import MAX_GRID, _on_device, launcher, order_after, refuse_capture
 
 __all__ = [
     "PARAM_CHUNK_ELEMENTS",
@@ -90,4 +90,4 @@ def write_after(device: int, last: Any, target: Any, data: np.ndarray) -> Any:
 def capturing(device: int) -> bool:
     """Return whether the device's current stream is capturing a CUDA graph."""
     with _on_device(device):
-        return kernel_launch.capturing()
+        return _stream_capturing()

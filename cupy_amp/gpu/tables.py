@@ -24,6 +24,7 @@ import cupy
 import numpy as np
 
 from cupy_amp.dtypes import dtype_name
+from cupy_amp.gpu.launch import _function, _Launcher, _on_device, refuse_capture
 from cupy_amp.kernel_interface import (
     CHUNK,
     CHUNK_BYTES,
@@ -32,7 +33,6 @@ from cupy_amp.kernel_interface import (
     UNSCALE_ARGS,
     UNSCALE_DTYPE_NAMES,
 )
-from cupy_amp.kernel_launch import _function, _Launcher, _on_device, refuse_capture
 
 __all__ = [
     "PARAM_CHUNK_ELEMENTS",

@@ -1,16 +1,16 @@
 """The CuPy backend: fused CUDA kernels with the NumPy backend's exact bits.
 
 Gradients are grouped by (device, dtype); each group is one launch of the
-multi-tensor kernel over device tables (:mod:`cupy_amp.device_tables`: one
+multi-tensor kernel over device tables (:mod:`cupy_amp.gpu.tables`: one
 chunk record per block of work, cached for the common case where the same
 memory comes back every step). Every
 launch reads the scale, the step's epoch and its flags from a :class:`DeviceState`
 in device memory; only the synchronous face reads the verdict back, with one
 small copy per call (and, only after an overflow, of the per-gradient flags).
 
-Kernels are compiled and launched through :mod:`cupy_amp.kernel_launch`,
+Kernels are compiled and launched through :mod:`cupy_amp.gpu.launch`,
 each with one struct argument laid out as :mod:`cupy_amp.kernel_interface`
-mirrors it; the fused optimizers' launches are in :mod:`cupy_amp.optim.launches`.
+mirrors it; the fused optimizers' launches are in :mod:`cupy_amp.gpu.optimizer_launches`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ from typing import Any
 import cupy
 import numpy as np
 
-from cupy_amp.device_stats import DeviceStatsRecord
-from cupy_amp.device_tables import GradientGroup, dense_base, gradient_tables, layout_words
 from cupy_amp.dtypes import dtype_name
+from cupy_amp.gpu.launch import MAX_GRID, StreamOrder, _on_device, capturing, launcher, refuse_capture
+from cupy_amp.gpu.stats import DeviceStatsRecord
+from cupy_amp.gpu.tables import GradientGroup, dense_base, gradient_tables, layout_words
 from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, UNSCALE_DTYPE_NAMES
-from cupy_amp.kernel_launch import MAX_GRID, StreamOrder, _on_device, capturing, launcher, refuse_capture
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.statistics import Numerics
@@ -118,7 +118,7 @@ def scale_loss(loss: cupy.ndarray, state: int) -> None:
 
 
 def prepare(arrays: Sequence[cupy.ndarray]) -> tuple[GradientGroup, ...]:
-    """Describe ``arrays`` in device tables, one per (device, dtype) group (:mod:`cupy_amp.device_tables`)."""
+    """Describe ``arrays`` in device tables, one per (device, dtype) group (:mod:`cupy_amp.gpu.tables`)."""
     return gradient_tables(arrays)
 
 
@@ -175,7 +175,7 @@ class DeviceState:
 
     def follow(self) -> Any:
         """Return the device's current stream, made to wait for the state's last work and every read of its
-        record since, where those went to other streams (:class:`~cupy_amp.kernel_launch.StreamOrder`).
+        record since, where those went to other streams (:class:`~cupy_amp.gpu.launch.StreamOrder`).
 
         Raises:
             ScalerProtocolError: The current stream is capturing a CUDA graph and that work

@@ -1,0 +1,86 @@
+"""The package's layout rules, read from its source: one door to CuPy, and no import circle.
+
+Every import is counted, wherever it stands: at the top, inside a function (a lazy import), or under
+``if TYPE_CHECKING:``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "cupy_amp"
+CUPY_MODULES = ("cupy", "cupyx", "cupy_backends")
+DOOR = PACKAGE / "gpu"
+APPLICATION = PACKAGE / "demo"  # the demo is an application of the library, as examples/ are: it imports CuPy
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imported(path: Path) -> set[str]:
+    """Every module name an import statement of ``path`` names (relative imports resolved)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}" if base else anchor
+            for alias in node.names:  # `from pkg import module` imports the module; else it reads pkg
+                names.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
+    return names
+
+
+def test_only_the_gpu_package_imports_cupy() -> None:
+    outside = {
+        name: sorted(m for m in imported(path) if m.split(".")[0] in CUPY_MODULES)
+        for name, path in MODULES.items()
+        if DOOR not in path.parents and APPLICATION not in path.parents
+    }
+    assert {name: found for name, found in outside.items() if found} == {}
+    peeks = [
+        name
+        for name, path in MODULES.items()
+        if DOOR not in path.parents
+        and any("sys.modules" in line and "cupy" in line for line in path.read_text(encoding="utf-8").splitlines())
+    ]
+    assert peeks == []  # CuPy, where it may be loaded, is asked of cupy_amp.gpu.loaded_cupy()
+    assert any(m.startswith("cupy") for m in imported(DOOR / "backend.py"))  # the rule reads real imports
+
+
+def test_no_import_circle_lazy_and_typing_imports_included() -> None:
+    graph = {name: {m for m in imported(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+    # An import names its module, not the packages above it (importing those first is Python's, not a design
+    # edge); ``from cupy_amp import GradScaler`` inside cupy_amp names the package, and would be a circle.
+    circles = []
+    for start in graph:
+        stack, seen = [(start, [start])], set()
+        while stack:
+            node, path = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    circles.append(path)
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, [*path, nxt]))
+    assert circles == []
+    assert graph["cupy_amp.chainer.attach"] >= {"cupy_amp.chainer.extension"}  # the graph is read, not empty
+
+
+def test_importing_the_package_and_its_gpu_door_imports_no_cupy() -> None:
+    code = (
+        "import sys, cupy_amp, cupy_amp.gpu, cupy_amp.optim; sys.exit(any(m in sys.modules for m in ('cupy', 'cupyx')))"
+    )
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
