@@ -1,7 +1,7 @@
 """A scaler's state where its arrays are, and the backends that hold it: the State and Backend protocols, and
 the validated call (:class:`Call`, its arrays' :class:`Footprint`) they run.
 
-Two implementations follow :class:`State`: :class:`cupy_amp.numpy_backend.HostState`
+Two implementations follow :class:`State`: :class:`cupy_amp.twins.step_state.HostState`
 (NumPy, the reference numerics) and :class:`cupy_amp.gpu.backend.DeviceState`
 (the scale, counters and flags in device memory, stepped by kernels). Every
 operation but :meth:`State.read`, :meth:`State.snapshot`, :meth:`State.restore`
@@ -19,7 +19,7 @@ from cupy_amp.ballot import Ballot
 from cupy_amp.rule import ScalerConfig, ScalerState
 
 if TYPE_CHECKING:
-    from cupy_amp.statistics import Numerics
+    from cupy_amp.twins.grad_stats import Numerics
 
 __all__ = ["Backend", "Call", "Footprint", "Snapshot", "State", "Verdict"]
 

@@ -15,34 +15,23 @@ is :data:`cupy_amp.kernel_interface.STATS`, and :mod:`cupy_amp.record` owns it
 ``check(gradients, report=True)`` also takes a numerics report in the same read
 (:class:`GradientNumerics` per gradient, from ``scaler.gradient_numerics()``):
 the largest finite magnitude, the count of zeros and of subnormals. On the GPU
-a max and integer sums, in any order the same; :func:`host_numerics` is the
-reference.
+a max and integer sums, in any order the same. The NumPy twins of the pass (the sums, the report, the
+finished record) are in :mod:`cupy_amp.twins.grad_stats`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple, TypeVar
+from collections.abc import Hashable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp.errors import ConfigError
 from cupy_amp.rule import _is_real
 
-T = TypeVar("T")
+__all__ = ["GradientNumerics", "expect_max_norm"]
 
-__all__ = [
-    "CLIP_EPS",
-    "GradientNumerics",
-    "Numerics",
-    "expect_max_norm",
-    "finish_host",
-    "host_numerics",
-    "host_sums",
-]
-
-CLIP_EPS = 1e-6  # added to the norm before dividing, as torch.nn.utils.clip_grad_norm_ does
 _FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
@@ -62,49 +51,6 @@ def expect_max_norm(max_norm: object) -> float:
     if not _FLOAT32_TINY <= value <= _FLOAT32_MAX:
         raise ConfigError(f"Invalid 'max_norm': expected None or a finite number > 0 (float32), got {max_norm!r}.")
     return float(np.float32(value))
-
-
-def host_sums(arrays: Sequence[np.ndarray]) -> tuple[tuple[int, ...], float]:
-    """Return (positions of the arrays holding inf/nan, the sum of squares of all elements in float64)."""
-    culprits = []
-    total = 0.0
-    with np.errstate(over="ignore", invalid="ignore"):
-        for position, array in enumerate(arrays):
-            values = np.asarray(array, dtype=np.float64)
-            if not np.isfinite(values).all():
-                culprits.append(position)
-            total += float(np.sum(np.square(values)))
-    return tuple(culprits), total
-
-
-class Numerics(NamedTuple):
-    """One gradient's numerics report, by its position in the call (what a state reads back)."""
-
-    position: int
-    dtype: np.dtype[Any]
-    size: int
-    amax: float  # the largest finite magnitude (0.0 when there is none)
-    zeros: int  # elements equal to 0 (either sign)
-    subnormals: int  # elements of magnitude below the dtype's smallest normal number, and not 0
-
-
-def host_numerics(position: int, array: np.ndarray) -> Numerics:
-    """Return ``array``'s numerics report (the reference of the GPU's report pass)."""
-    magnitude = np.abs(np.asarray(array).astype(np.float64)).reshape(-1)
-    finite = magnitude[np.isfinite(magnitude)]
-    tiny = float(_finfo(array.dtype).tiny)
-    return Numerics(
-        position, array.dtype, int(array.size), float(finite.max()) if finite.size else 0.0,
-        int(np.count_nonzero(magnitude == 0.0)), int(np.count_nonzero((magnitude > 0.0) & (magnitude < tiny))),
-    )  # fmt: skip
-
-
-def _finfo(dtype: np.dtype[Any]) -> Any:
-    if dtype.kind == "f":
-        return np.finfo(dtype)
-    import ml_dtypes  # bfloat16: only ml_dtypes arrays get this far
-
-    return ml_dtypes.finfo(dtype)  # type: ignore[no-untyped-call]
 
 
 class GradientNumerics(NamedTuple):
@@ -140,30 +86,3 @@ class GradientNumerics(NamedTuple):
     @property
     def subnormal_fraction(self) -> float:
         return self.subnormals / self.size if self.size else 0.0
-
-
-def finish_host(
-    record: np.ndarray, total: float, inv_scale: np.float32, max_norm: float, local: bool, agreed: bool,
-    own: float | None = None,
-) -> None:  # fmt: skip
-    """Fill a 0-d :data:`~cupy_amp.kernel_interface.STATS` record from a sum of squares, as the finishing kernel does.
-
-    ``agreed``: another rank overflowed (from the all-reduce); ``local``: this rank's gradients did;
-    ``own``: this rank's share of an all-reduced ``total`` (None: ``total`` is this rank's own).
-    """
-    with np.errstate(
-        invalid="ignore"
-    ):  # a negative sum (an all-reduce's garbage, after an overflow): NaN, as on the GPU
-        norm = np.float32(np.sqrt(np.float64(total)) * np.float64(inv_scale))
-    clip = np.float32(1.0)
-    if max_norm > 0.0:
-        quotient = max_norm / (float(norm) + CLIP_EPS)
-        if quotient < 1.0:
-            clip = np.float32(quotient)
-    record["sum_of_squares"] = total
-    record["own_sum_of_squares"] = total if own is None else own
-    record["norm"] = norm
-    record["clip_coefficient"] = clip
-    record["factor"] = np.float32(inv_scale) * clip
-    record["found"] = local
-    record["skip"] = local or agreed

@@ -176,7 +176,7 @@ struct BeginArgs {
 };
 
 // An optimizer's device-resident state besides its buffers. The host writes the hyperparameters; the
-// begin kernel derives the step's float32 constants (cupy_amp.optim.reference computes the same bits).
+// begin kernel derives the step's float32 constants (cupy_amp.twins.optimizers computes the same bits).
 struct AdamWState {
     u64 step;  // updates applied; a skipped step leaves it unchanged
     double lr;

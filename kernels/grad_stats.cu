@@ -4,7 +4,7 @@
 // block sums the blocks' sums in index order and derives the norm, the clip coefficient and the
 // optimizers' factor on the device. No float atomics, and a grid that depends only on the GPU model and the
 // chunk count (the Python side's choice): the same bits on every run. NumPy reference:
-// cupy_amp.statistics.host_sums and finish_host.
+// cupy_amp.twins.grad_stats (sums, then finish).
 #include "common.cuh"
 
 namespace cupy_amp {
@@ -136,7 +136,7 @@ CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float16, Half, false)
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_bfloat16, Bfloat, false)
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float32, Single, false)
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_stats_float64, Double, false)
-// The same pass with the numerics report (cupy_amp.statistics.host_numerics is its NumPy reference).
+// The same pass with the numerics report (cupy_amp.twins.grad_stats.numerics is its NumPy reference).
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_float16, Half, true)
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_bfloat16, Bfloat, true)
 CUPY_AMP_GRADIENT_STATS(cupy_amp_gradient_report_float32, Single, true)

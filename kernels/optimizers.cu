@@ -3,7 +3,7 @@
 // clip coefficient, from device memory), never writes the gradient, and does nothing at all when the
 // step is skipped. float16/bfloat16 parameters are updated through float32 master weights and written
 // back rounded, in the same pass. Every float32 operation is explicit non-flushing PTX, in the order
-// cupy_amp/optim/reference.py uses, so the NumPy reference gives the same bits.
+// its NumPy twin, cupy_amp.twins.optimizers, uses: the same bits.
 #include "common.cuh"
 
 namespace cupy_amp {
@@ -119,7 +119,7 @@ __device__ void optimizer_step(const OptimizerArgs& args) {
     }
 }
 
-// The step's constants, in float64 then rounded once, as cupy_amp/optim/reference.py computes them.
+// The step's constants, in float64 then rounded once, as cupy_amp/twins/optimizers.py computes them.
 __device__ __forceinline__ bool begin(int& skip, float& factor, const BeginArgs& args) {
     const Stats* stats = reinterpret_cast<const Stats*>(args.stats);
     skip = stats != nullptr && stats->skip != 0;

@@ -1,6 +1,6 @@
 // In-place loss scaling: loss *= the state's scale, float16/float32 in float32 arithmetic, float64 in
 // float64, whatever the loss's shape and strides. Blocks walk chunks of `chunk_size` elements
-// grid-stride. NumPy reference: cupy_amp.numpy_backend.scale_loss.
+// grid-stride. NumPy reference: cupy_amp.twins.scale_loss.
 #include "common.cuh"
 
 namespace cupy_amp {

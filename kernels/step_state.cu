@@ -1,6 +1,6 @@
 // A scaler's step, on its State in device memory: each entry runs as one thread, so the
 // host never reads the state to decide anything and a captured graph replays the whole step.
-// NumPy reference: cupy_amp.numpy_backend.HostState and cupy_amp.rule.next_state.
+// NumPy reference: cupy_amp.twins.step_state.HostState and cupy_amp.rule.next_state.
 #include "common.cuh"
 
 namespace cupy_amp {

@@ -2,7 +2,7 @@
 // of one dtype by the inverse of the state's scale, in place, and records which tensors held inf/nan
 // before the multiplication. The tensors are described by device tables (no by-value argument limits):
 // one Chunk record per block-sized piece of a tensor, and the layouts of strided tensors. Blocks walk
-// the chunks grid-stride. NumPy reference: cupy_amp.numpy_backend.HostState.unscale.
+// the chunks grid-stride. NumPy reference: cupy_amp.twins.unscale_check.
 #include "common.cuh"
 
 namespace cupy_amp {

@@ -84,3 +84,12 @@ def test_importing_the_package_and_its_gpu_door_imports_no_cupy() -> None:
         "import sys, cupy_amp, cupy_amp.gpu, cupy_amp.optim; sys.exit(any(m in sys.modules for m in ('cupy', 'cupyx')))"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_every_kernel_has_its_numpy_twin_under_its_own_stem() -> None:
+    kernels = {path.stem for path in (PACKAGE.parent / "kernels").glob("*.cu")}
+    twins = {path.stem for path in (PACKAGE / "twins").glob("*.py")} - {"__init__"}
+    assert kernels == twins
+    assert len(kernels) >= 5
+    for stem in kernels:  # each kernel names its twin
+        assert f"cupy_amp.twins.{stem}" in (PACKAGE.parent / "kernels" / f"{stem}.cu").read_text(encoding="utf-8")

@@ -37,7 +37,7 @@ import chainer  # noqa: E402
 
 from cupy_amp import GradScaler  # noqa: E402
 from cupy_amp.chainer import attach  # noqa: E402
-from cupy_amp.numpy_backend import HostState  # noqa: E402
+from cupy_amp.twins.step_state import HostState  # noqa: E402
 
 SETTINGS = ("cupy-amp", "cupy-amp + GradientClipping", "cupy-amp max_norm", "chainer", "chainer + GradientClipping")
 MAX_NORM = 1.0

@@ -32,7 +32,7 @@ from cupy_amp.gpu.tables import GradientGroup, dense_base, gradient_tables, layo
 from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, UNSCALE_DTYPE_NAMES
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
-from cupy_amp.statistics import Numerics
+from cupy_amp.twins.grad_stats import Numerics
 
 __all__ = [
     "LAYOUT_FIXED",

@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.errors import ConfigError
-from cupy_amp.optim import reference, state_file
+from cupy_amp.optim import state_file
 from cupy_amp.optim.base import FusedOptimizer, hyperparameter
+from cupy_amp.twins import optimizers as numpy_twin
 
 __all__ = ["AdamW"]
 
@@ -50,7 +51,7 @@ class AdamW(FusedOptimizer):
         )
 
     def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        reference.begin_adamw(record, skip, factor)
+        numpy_twin.begin_adamw(record, skip, factor)
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        reference.adamw_update(record, grad, weights, *moments)
+        numpy_twin.adamw_update(record, grad, weights, *moments)

@@ -9,7 +9,7 @@ device for CuPy parameters. ``step(gradients, stats)`` reads the gradient
 factor (``inv_scale * clip_coefficient``) and the skip flag from the record a
 scaler's ``check()`` returned, so a step needs no value from the host: it can
 run ahead of the GPU and be captured in a CUDA graph. On the host (NumPy) the
-same operations run in :mod:`cupy_amp.optim.reference`, bit for bit.
+same operations run in :mod:`cupy_amp.twins.optimizers`, bit for bit.
 """
 
 from __future__ import annotations

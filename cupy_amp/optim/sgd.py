@@ -8,8 +8,9 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.errors import ConfigError
-from cupy_amp.optim import reference, state_file
+from cupy_amp.optim import state_file
 from cupy_amp.optim.base import FusedOptimizer, hyperparameter
+from cupy_amp.twins import optimizers as numpy_twin
 
 __all__ = ["SGD"]
 
@@ -56,7 +57,7 @@ class SGD(FusedOptimizer):
         return self._with_momentum
 
     def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        reference.begin_sgd(record, skip, factor)
+        numpy_twin.begin_sgd(record, skip, factor)
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        reference.sgd_update(record, grad, weights, *moments)
+        numpy_twin.sgd_update(record, grad, weights, *moments)

@@ -20,8 +20,8 @@ from fake_comm import FakeVote, FakeWorld, run_ranks
 from helpers import Face, open_step, refuses_every_call
 
 from cupy_amp import GradientTypeError, GradScaler, RanksMayDisagreeError, ScalerProtocolError
-from cupy_amp.numpy_backend import HostState
 from cupy_amp.optim import SGD
+from cupy_amp.twins.step_state import HostState
 
 POISON = 2.0**40
 

@@ -22,9 +22,9 @@ from cupy_amp import (
     DuplicateGradientError,
     GradientTypeError,
     RanksMayDisagreeError,
-    numpy_backend,
 )
 from cupy_amp.distributed import POISON, count_verdict
+from cupy_amp.twins import unscale_check
 
 
 class DeviceLost(RuntimeError):
@@ -62,7 +62,7 @@ def test_a_failure_after_the_gradients_were_written_votes_overflow_once(
     face: Face, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     failing_rank = threading.local()
-    real = numpy_backend._multiply
+    real = unscale_check.multiply
 
     def multiply(array: np.ndarray, factor: Any) -> None:
         if getattr(failing_rank, "armed", False):
@@ -70,7 +70,7 @@ def test_a_failure_after_the_gradients_were_written_votes_overflow_once(
         real(array, factor)
         failing_rank.armed = getattr(failing_rank, "fail_after_first", False)
 
-    monkeypatch.setattr(numpy_backend, "_multiply", multiply)
+    monkeypatch.setattr(unscale_check, "multiply", multiply)
 
     def body(world: FakeWorld, rank: int) -> tuple[Any, ...]:
         scaler = face(init_scale=1024.0, comm=FakeVote(world, rank))

@@ -42,8 +42,8 @@ L = chainer.links
 from cupy_amp import GradientValueError, GradScaler, ScalerProtocolError  # noqa: E402
 from cupy_amp.chainer import attach  # noqa: E402
 from cupy_amp.demo.model import load_dataset  # noqa: E402
-from cupy_amp.numpy_backend import HostState  # noqa: E402
 from cupy_amp.step import IDLE, SCALED  # noqa: E402
+from cupy_amp.twins.step_state import HostState  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 ON: Any = None  # the Chainer device of the running test (set by on_device)

@@ -27,8 +27,8 @@ from cupy_amp.errors import (
     GradientValueError,
 )
 from cupy_amp.optim import SGD, AdamW
-from cupy_amp.optim.reference import fma32
 from cupy_amp.record import GradientStats, StatsRecord
+from cupy_amp.twins.optimizers import fma32
 
 SHAPES = [(37, 5), (1000,), (3, 3, 3)]
 

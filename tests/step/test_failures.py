@@ -17,6 +17,7 @@ import pytest
 from helpers import Face, open_step
 
 from cupy_amp import DuplicateGradientError, numpy_backend
+from cupy_amp.twins import unscale_check
 
 
 class DeviceLost(RuntimeError):
@@ -28,7 +29,7 @@ def fail_multiply(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, BaseExcepti
     """Make the NumPy backend raise ``error`` instead of its ``n``-th multiplication (counting from 0)."""
 
     def arm(n: int, error: BaseException) -> None:
-        real = numpy_backend._multiply
+        real = unscale_check.multiply
         count = [0]
 
         def multiply(array: np.ndarray, factor: Any) -> None:
@@ -38,7 +39,7 @@ def fail_multiply(monkeypatch: pytest.MonkeyPatch) -> Callable[[int, BaseExcepti
             count[0] += 1
             real(array, factor)
 
-        monkeypatch.setattr(numpy_backend, "_multiply", multiply)
+        monkeypatch.setattr(unscale_check, "multiply", multiply)
 
     return arm
 

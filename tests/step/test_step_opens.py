@@ -252,7 +252,7 @@ def test_abandon_step_after_a_gradient_call_is_refused_and_changes_nothing(face:
 
 def test_abandon_step_after_a_failed_gradient_call_is_refused(face: Face, monkeypatch: pytest.MonkeyPatch) -> None:
     # A call that fails once it may have written counts the step as an overflow: that step must reach update().
-    from cupy_amp.numpy_backend import HostState
+    from cupy_amp.twins.step_state import HostState
 
     def broken(self: Any, call: Any) -> Any:
         raise RuntimeError("the device broke")

@@ -13,19 +13,20 @@ import numpy as np
 import pytest
 from helpers import GRAD_SCALER, SYNC_FREE, Face, open_step
 
-from cupy_amp import DuplicateGradientError, ScalerProtocolError, numpy_backend
+from cupy_amp import DuplicateGradientError, ScalerProtocolError
+from cupy_amp.twins import unscale_check
 
 
 @pytest.fixture
 def slow_multiply(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make every in-place multiply take a while, so that two calls would overlap in time."""
-    real = numpy_backend._multiply
+    real = unscale_check.multiply
 
     def multiply(array: np.ndarray, factor: Any) -> None:
         time.sleep(0.02)
         real(array, factor)
 
-    monkeypatch.setattr(numpy_backend, "_multiply", multiply)
+    monkeypatch.setattr(unscale_check, "multiply", multiply)
 
 
 def run_together(*bodies: Any) -> list[Any]:
