@@ -15,7 +15,7 @@ from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
 from cupy_amp.state import Call, State
 from cupy_amp.state_set import StateSet
 from cupy_amp.statistics import GradientNumerics, expect_max_norm
-from cupy_amp.step import INSPECTED, Step
+from cupy_amp.step import IDLE, INSPECTED, Step
 
 __all__ = ["Face", "NumericsSource"]
 
@@ -160,6 +160,12 @@ class Face:
         """
         with self._step.lock.turn, self._step.admit():
             self._step.abandon()
+
+    def is_step_open(self) -> bool:
+        """Return whether a step is open: ``scale_loss`` or a gradient call ran, and neither ``update()`` nor
+        ``abandon_step()`` has ended it. Never synchronizes the device."""
+        self._step.refuse_if_broken()
+        return self._step.phase != IDLE
 
     def check(self, gradients: Any, *, max_norm: float | None = None, report: bool = False) -> GradientStats:
         """Read every gradient once, without writing it: the verdict, the culprits, the norm and the clip coefficient.

@@ -138,6 +138,7 @@ def refuses_every_call(scaler: Any, optimizer: Any = None, xp: Any = np) -> None
         scaler.checkpoint,
         lambda: scaler.scale_loss(loss),
         scaler.abandon_step,
+        scaler.is_step_open,
         lambda: scaler.unscale_and_check(grads),
         lambda: scaler.check(grads),
         lambda: scaler.load_checkpoint(type(scaler)().checkpoint()),

@@ -15,6 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "cupy_amp"
 CUPY_MODULES = ("cupy", "cupyx", "cupy_backends")
 DOOR = PACKAGE / "gpu"
 APPLICATION = PACKAGE / "demo"  # the demo is an application of the library, as examples/ are: it imports CuPy
+IMPORTERS = ("import_module", "__import__", "find_spec")  # calls that import (or look up) a module by its name
 
 
 def module_name(path: Path) -> str:
@@ -57,6 +58,12 @@ def test_only_the_gpu_package_imports_cupy() -> None:
         and any("sys.modules" in line and "cupy" in line for line in path.read_text(encoding="utf-8").splitlines())
     ]
     assert peeks == []  # CuPy, where it may be loaded, is asked of cupy_amp.gpu.loaded_cupy()
+    by_name = [  # importlib.import_module("cupy") or __import__("cupy"): an import the statements do not show
+        name
+        for name, path in MODULES.items()
+        if DOOR not in path.parents and APPLICATION not in path.parents and _imports_cupy_by_name(path)
+    ]
+    assert by_name == []
     assert any(m.startswith("cupy") for m in imported(DOOR / "backend.py"))  # the rule reads real imports
 
 
@@ -79,11 +86,42 @@ def test_no_import_circle_lazy_and_typing_imports_included() -> None:
     assert graph["cupy_amp.chainer.attach"] >= {"cupy_amp.chainer.extension"}  # the graph is read, not empty
 
 
-def test_importing_the_package_and_its_gpu_door_imports_no_cupy() -> None:
-    code = (
-        "import sys, cupy_amp, cupy_amp.gpu, cupy_amp.optim; sys.exit(any(m in sys.modules for m in ('cupy', 'cupyx')))"
+def _imports_cupy_by_name(path: Path) -> bool:
+    """Whether ``path`` passes a CuPy module's name to a call (``import_module``, ``__import__``, ``find_spec``)."""
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            name = node.args[0].value
+            if called in IMPORTERS and isinstance(name, str) and name.split(".")[0] in CUPY_MODULES:
+                return True
+    return False
+
+
+def test_the_rules_see_a_planted_import(tmp_path: Path) -> None:
+    planted = tmp_path / "planted.py"
+    planted.write_text('import importlib\n\ndef f():\n    return importlib.import_module("cupy")\n')
+    assert _imports_cupy_by_name(planted)
+    planted.write_text('def f(m):\n    return m.startswith("cupy")\n')
+    assert not _imports_cupy_by_name(planted)
+
+
+def test_importing_every_module_but_the_demo_imports_no_cupy() -> None:
+    # Importing any module outside the door, and the door's package itself, loads no CuPy: CuPy is loaded
+    # only by the door's modules, when a CuPy array or a GPU scaler asks for them. The demo is an application.
+    names = sorted(
+        name
+        for name, path in MODULES.items()
+        if APPLICATION not in path.parents and not name.startswith("cupy_amp.gpu.")
     )
-    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+    code = (
+        "import importlib, sys\n"
+        f"for name in {names!r}:\n"
+        "    importlib.import_module(name)\n"
+        "sys.exit(sorted(m for m in ('cupy', 'cupyx') if m in sys.modules) != [])\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert len(names) > 30
 
 
 def test_every_kernel_has_its_numpy_twin_under_its_own_stem() -> None:

@@ -178,6 +178,7 @@ class Attachment:
         # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
         # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
         self._left: list[tuple[Any, weakref.ref[Any]]] = []
+        self._left_by_dropped_step = False  # what _left holds: a dropped step's scaled gradients, not applied ones
         if optimizer.target is not None:
             for param in optimizer.target.params():
                 param._loss_scale = None  # stamps of backward passes made before attaching
@@ -225,14 +226,33 @@ class Attachment:
         """
         if "loss_scale" in kwargs:
             raise ArgumentTypeError("backward() takes no loss_scale: the attached scaler seeds the backward pass.")
+        self._notice_dropped_step()
         if not self._seeded:  # the step's first backward: last step's gradients must be gone
             self._refuse_stale_gradients(checking=False)
-        self._seed(loss)
-        try:
+        self._expect_loss(loss)  # before anything changes: a refused loss leaves the step as it was
+        try:  # from the seed on, whatever stops this call drops the step
+            self._seed(loss)
             loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
         except BaseException:
             self._abandon()  # the step is dropped; its partial gradients are noted as left (cleargrads() next)
             raise
+
+    def abandon_step(self) -> None:
+        """Drop the open step: for an exception or a Ctrl-C between its seeded backward passes.
+
+        ``attachment.backward`` and ``optimizer.update`` drop their step
+        themselves when they fail; an interrupt in a manual loop's own code
+        (the forward pass of a later micro-batch) leaves it open. This ends
+        it as they would: the scaler's step uncounted (``checkpoint()``
+        works again; a step whose gradients were already checked is ended by
+        ``update()``), the float16 parameters back, and the gradients noted as
+        the dropped step's, so the next backward or ``update()`` refuses them
+        until ``model.cleargrads()``. The scaler's own ``abandon_step()`` is
+        noticed too. Does nothing between steps.
+        """
+        self._notice_dropped_step()
+        if self._seeded or self._checked or self._masters:
+            self._abandon()
 
     def extension(self) -> LossScaleExtension:
         """Return a Trainer extension that reports the scale and serializes the scaler."""
@@ -281,10 +301,11 @@ class Attachment:
         Raises:
             ScalerProtocolError: A step is open (``backward`` was called and ``update()`` was not).
         """
+        self._notice_dropped_step()
         if self._seeded or self._checked:
             raise ScalerProtocolError(
                 "detach() in the middle of a step: the gradients are scaled with this scaler's scale. Call "
-                "optimizer.update() first."
+                "optimizer.update() first (or abandon_step() to drop the step)."
             )
         for name in _SEAMS:
             self._optimizer.__dict__.pop(name, None)
@@ -296,8 +317,8 @@ class Attachment:
 
     # The seams.
 
-    def _seed(self, loss: Any) -> None:
-        """Open the step on a float32 seed that becomes the scale, and make it the gradient of ``loss``."""
+    def _expect_loss(self, loss: Any) -> None:
+        """Refuse a loss the step cannot be seeded through (before anything changes)."""
         chainer = self._chainer
         if not isinstance(loss, chainer.Variable) or loss.xp is chainer.backend.chainerx:
             raise GradientTypeError(
@@ -327,8 +348,15 @@ class Attachment:
                 "the logits with chainer.functions.cast(x, 'float32') before the loss function), or keep the scale "
                 "a power of two below 65536 (GradScaler(init_scale=2.0**15, max_scale=2.0**15))."
             )
-        with chainer.using_device(loss.device):
-            seed = loss.xp.ones(array.shape, dtype=np.float32)
+
+    def _seed(self, loss: Any) -> None:
+        """Open the step on a float32 seed that becomes the scale, and make it the gradient of ``loss``.
+
+        Its caller drops the step if this or the backward pass after it fails.
+        """
+        scale, dtype = self._scaler.scale_factor(), np.dtype(loss.array.dtype)
+        with self._chainer.using_device(loss.device):
+            seed = loss.xp.ones(loss.array.shape, dtype=np.float32)
             self._scaler.scale_loss(seed)  # opens the step: the seed is now the scale
             self._optimizer._loss_scale = scale  # stamped on the parameters by the backward pass
             loss.grad = seed if dtype == np.float32 else seed.astype(dtype)
@@ -337,6 +365,13 @@ class Attachment:
     def _update(self, lossfun: Any = None, *args: Any, **kwds: Any) -> Any:
         """Chainer's own ``update``, with a loss function that seeds its loss; a failed step is ended."""
         seeded = None if lossfun is None else functools.partial(self._seeded_loss, lossfun)
+        target = self._optimizer.target
+        if lossfun is None and target is not None and all(param.grad_var is None for param in target.params()):
+            # Chainer's update() would fill them with zeros (reallocate_cleared_grads) and apply a step of nothing.
+            raise ScalerProtocolError(
+                "optimizer.update() found no gradient: no backward pass ran since the gradients were cleared. "
+                "Call attachment.backward(loss) before optimizer.update(), or optimizer.update(lossfun, *args)."
+            )
         try:
             return self._chainer_update(seeded, *args, **kwds)
         except BaseException:
@@ -345,7 +380,8 @@ class Attachment:
 
     def _seeded_loss(self, lossfun: Callable[..., Any], *args: Any, **kwds: Any) -> Any:
         loss = lossfun(*args, **kwds)
-        self._seed(loss)
+        self._expect_loss(loss)
+        self._seed(loss)  # inside _update's try: a failure from here on drops the step
         return loss
 
     def _check(self) -> None:
@@ -356,6 +392,7 @@ class Attachment:
                 "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
                 "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
             )
+        self._notice_dropped_step()
         self._refuse_stale_gradients(checking=True)
         scale = scaler.scale_factor()
         params = _unique(optimizer.target.namedparams())
@@ -440,7 +477,15 @@ class Attachment:
         if not int(sum(xp.count_nonzero(grad) for grad in stale)):
             return
         target = self._optimizer.target
-        if checking and len(stale) == sum(1 for param in target.params() if param.grad_var is not None):
+        every = len(stale) == sum(1 for param in target.params() if param.grad_var is not None)
+        if self._left_by_dropped_step:
+            raise ScalerProtocolError(
+                f"{len(stale)} parameter(s) still hold the gradient of a dropped step (its forward or backward pass "
+                "failed; scaled, never applied): "
+                + ("optimizer.update() would apply it. " if checking and every else "a backward pass would add to it. ")
+                + "Call model.cleargrads(), then attachment.backward(loss) and optimizer.update()."
+            )
+        if checking and every:
             raise ScalerProtocolError(
                 "optimizer.update() was called again with no backward pass since the last step: every gradient is "
                 "the last step's, already applied. Each step is model.cleargrads(), attachment.backward(loss), "
@@ -452,11 +497,18 @@ class Attachment:
             "step's backward pass, as optimizer.update(lossfun) does."
         )
 
-    def _leave(self) -> None:
+    def _leave(self, dropped: bool) -> None:
         """Note each parameter's gradient as this step leaves it (see :meth:`_refuse_stale_gradients`)."""
         target = self._optimizer.target
         params = target.params() if target is not None else ()
         self._left = [(param, weakref.ref(param.grad_var)) for param in params if param.grad_var is not None]
+        self._left_by_dropped_step = dropped
+
+    def _notice_dropped_step(self) -> None:
+        """After the scaler's own ``abandon_step()`` (in a user's handler), note the gradients its step left."""
+        if self._seeded and not self._scaler.is_step_open():
+            self._seeded = False
+            self._leave(dropped=True)
 
     def _is_safe(self) -> bool:
         return self._finite
@@ -470,9 +522,9 @@ class Attachment:
         self._scaler.update()
         self._checked = False
         self._optimizer._loss_scale = self._scaler.scale_factor()
-        self._finish_parameters()
+        self._finish_parameters(dropped=False)
 
-    def _finish_parameters(self) -> None:
+    def _finish_parameters(self, dropped: bool) -> None:
         """Put the standing parameters back, clear the gradients of a step Chainer seeded, note what is left."""
         self._put_back(updated=self._finite)
         if self._clear_at_end:
@@ -480,7 +532,7 @@ class Attachment:
             for param in target.params() if target is not None else ():
                 param.cleargrad()
             self._clear_at_end = False
-        self._leave()
+        self._leave(dropped)
 
     def _put_back(self, updated: bool) -> None:
         """Make each standing parameter float16 again: its master rounded (after an update) or its old array.
@@ -506,6 +558,7 @@ class Attachment:
         """After an exception in a seeded backward pass or inside ``update()``: end the scaler's step (dropped
         before its check, ended by ``update()`` after it) and put the parameters back."""
         self._seeded = False
+        checked = self._checked
         if self._checked:
             with contextlib.suppress(ScalerProtocolError):  # a check refused before it counted: nothing to end
                 self._scaler.update()
@@ -513,7 +566,7 @@ class Attachment:
         with contextlib.suppress(ScalerProtocolError):  # raised only where a counted call left update() to do
             self._scaler.abandon_step()  # a scaled loss and no counted gradient call: dropped, nothing counted
         self._optimizer._loss_scale = self._scaler.scale_factor()  # the next seed, whatever was interrupted
-        self._finish_parameters()  # unscaled or not, a retry must start from cleared gradients
+        self._finish_parameters(dropped=not checked)  # unscaled or not, a retry must start from cleared gradients
 
     def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:
         raise ScalerProtocolError(

@@ -361,10 +361,88 @@ def test_a_ctrl_c_in_the_backward_pass_drops_the_step_and_the_save_in_the_handle
                     attachment.backward(InterruptingBackward()(model(x, t)))
             assert attachment.scaler.checkpoint() == before  # the handler's save: nothing of the step counted
             if loop == "manual":
-                with pytest.raises(ScalerProtocolError, match=r"no backward pass since the last step"):
-                    optimizer.update()  # the dropped step's gradients are never applied
+                with pytest.raises(ScalerProtocolError, match=r"found no gradient"):
+                    optimizer.update()  # the interrupt came before any parameter's gradient
         for _ in range(3):
             train_one_step(loop, attachment, x, t)
+        runs.append((arrays(model), attachment.scaler.checkpoint()))
+    assert_same_bits(runs[0][0], runs[1][0])
+    assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_an_interrupt_at_any_line_of_a_seeded_backward_drops_the_step(micro_batch: int) -> None:
+    # attachment.backward(loss) of the step's first or second micro-batch, interrupted at its k-th line inside
+    # cupy_amp for every k (the seed too: after scale_loss, before the loss has its gradient): the step is
+    # dropped whole (by the call itself from the seed on; a handler's abandon_step() covers an interrupt that
+    # lands between micro-batches), the save in the handler holds nothing of it, and after cleargrads() the
+    # run takes the same steps as one never interrupted.
+    x, t = spirals(32)
+    x = x.astype(np.float16)
+
+    def started() -> tuple[Any, Any, Any]:
+        model, optimizer = build()
+        attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
+        optimizer.update(model, x, t)
+        before = attachment.scaler.checkpoint()
+        model.cleargrads()
+        for _ in range(micro_batch - 1):
+            attachment.backward(model(x[:16], t[:16]))
+        return model, attachment, before
+
+    def finish(model: Any, attachment: Any) -> tuple[dict[str, np.ndarray], Any]:
+        for _ in range(2):
+            train_one_step("manual", attachment, x, t)
+        return arrays(model), attachment.scaler.checkpoint()
+
+    model, attachment, _ = started()
+    expected = finish(model, attachment)
+    k = 1
+    while True:
+        model, attachment, before = started()
+        second = functools.partial(attachment.backward, model(x[16:], t[16:]))  # the forward pass runs here
+        if not interrupted(second, k):
+            break
+        where = f"interrupted at line {k}"
+        if micro_batch > 1:  # an interrupt before the seed is one between micro-batches: the handler drops the step
+            attachment.abandon_step()
+        assert attachment.scaler.checkpoint() == before, where  # the handler's save: nothing of the step
+        assert not attachment.scaler.is_step_open(), where
+        got = finish(model, attachment)
+        assert_same_bits(got[0], expected[0])
+        assert got[1] == expected[1], where
+        k += 1
+    assert k > 20  # the sweep reached the seed and the backward pass
+
+
+@pytest.mark.parametrize("drop", ["attachment", "scaler"])
+def test_an_interrupt_in_a_later_micro_batchs_forward_drops_the_step_whose_gradients_are_refused(drop: str) -> None:
+    # The forward pass of a second micro-batch is the user's own code: nothing of ours sees a Ctrl-C there.
+    # The handler drops the step (attachment.abandon_step(), or the scaler's, which the attachment notices);
+    # the first micro-batch's scaled gradients are then refused until cleargrads(), never added or applied.
+    x, t = spirals(32)
+    x = x.astype(np.float16)
+    runs = []
+    for interrupt in (True, False):
+        model, optimizer = build()
+        attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
+        optimizer.update(model, x, t)
+        if interrupt:
+            model.cleargrads()
+            attachment.backward(model(x[:16], t[:16]))
+            with pytest.raises(ScalerProtocolError, match=r"abandon_step\(\)"):
+                attachment.scaler.checkpoint()  # the handler must drop the step first
+            (attachment if drop == "attachment" else attachment.scaler).abandon_step()
+            before = attachment.scaler.checkpoint()
+            with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* optimizer.update\(\) would"):
+                optimizer.update()
+            with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* a backward pass would add"):
+                attachment.backward(model(x[16:], t[16:]))
+            assert attachment.scaler.checkpoint() == before  # the refusals changed nothing
+            attachment.abandon_step()  # between steps: nothing to do
+        for _ in range(2):
+            train_one_step("manual", attachment, x, t)
         runs.append((arrays(model), attachment.scaler.checkpoint()))
     assert_same_bits(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]
@@ -763,7 +841,7 @@ def test_update_twice_in_a_step_is_refused_as_such() -> None:
         optimizer.update()
     assert_same_bits(arrays(model), before)
     model.cleargrads()
-    with pytest.raises(ScalerProtocolError, match=r"or no backward pass since the last step"):
+    with pytest.raises(ScalerProtocolError, match=r"found no gradient: no backward pass ran since"):
         optimizer.update()  # cleared, and still no backward
 
 

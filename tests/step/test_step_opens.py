@@ -210,6 +210,24 @@ def test_scale_loss_refuses_a_float16_loss_on_every_scaler(make: Any, shape: tup
 # abandon_step(): a step whose backward pass failed, dropped before any gradient call.
 
 
+@pytest.mark.parametrize("name", CALLS)
+def test_is_step_open_from_the_first_call_of_a_step_until_it_ends(face: Face, name: str) -> None:
+    scaler = face(init_scale=4.0)
+    assert not scaler.is_step_open()
+    open_step(scaler)
+    assert scaler.is_step_open()
+    scaler.abandon_step()
+    assert not scaler.is_step_open()
+    open_step(scaler)
+    gradient_call(scaler, name, [np.full(2, 8.0, np.float32)])
+    assert scaler.is_step_open()  # update() is due: abandon_step() would be refused
+    scaler.update()
+    assert not scaler.is_step_open()
+    guard = face.cls.guard()
+    gradient_call(guard, name, [np.full(2, 8.0, np.float32)])  # a guard's step opens at its gradient call
+    assert guard.is_step_open()
+
+
 def test_abandon_step_after_scale_loss_leaves_the_scaler_as_before_the_step(face: Face) -> None:
     scaler = face(init_scale=4.0, growth_interval=1)
     open_step(scaler)
