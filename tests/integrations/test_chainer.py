@@ -340,10 +340,9 @@ class InterruptingBackward(chainer.Function):
         raise KeyboardInterrupt
 
 
-@pytest.mark.parametrize("loop", ["lossfun", "manual"])
-def test_a_ctrl_c_in_the_backward_pass_drops_the_step_and_the_save_in_the_handler_works(loop: str) -> None:
-    # The backward pass is where a Ctrl-C usually lands. The step is dropped before its check: nothing was
-    # counted, the checkpoint in the except clause is taken, and the run goes on as if the step never was.
+def trains_as_if_never_interrupted(loop: str, interruption: Any) -> None:
+    """After one step, ``interruption(model, attachment, x, t)`` (and then three steps) leaves a run that is bit
+    for bit the one without it."""
     x, t = spirals(32)
     x = x.astype(np.float16)
     runs = []
@@ -352,22 +351,32 @@ def test_a_ctrl_c_in_the_backward_pass_drops_the_step_and_the_save_in_the_handle
         attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
         optimizer.update(model, x, t)
         if interrupt:
-            before = attachment.scaler.checkpoint()
-            with pytest.raises(KeyboardInterrupt):
-                if loop == "lossfun":
-                    optimizer.update(lambda model=model: InterruptingBackward()(model(x, t)))
-                else:
-                    model.cleargrads()
-                    attachment.backward(InterruptingBackward()(model(x, t)))
-            assert attachment.scaler.checkpoint() == before  # the handler's save: nothing of the step counted
-            if loop == "manual":
-                with pytest.raises(ScalerProtocolError, match=r"found no gradient"):
-                    optimizer.update()  # the interrupt came before any parameter's gradient
+            interruption(model, attachment, x, t)
         for _ in range(3):
             train_one_step(loop, attachment, x, t)
         runs.append((arrays(model), attachment.scaler.checkpoint()))
     assert_same_bits(runs[0][0], runs[1][0])
     assert runs[0][1] == runs[1][1]
+
+
+@pytest.mark.parametrize("loop", ["lossfun", "manual"])
+def test_a_ctrl_c_in_the_backward_pass_drops_the_step_and_the_save_in_the_handler_works(loop: str) -> None:
+    # The backward pass is where a Ctrl-C usually lands. The step is dropped before its check: nothing was
+    # counted, the checkpoint in the except clause is taken, and the run goes on as if the step never was.
+    def interruption(model: Any, attachment: Any, x: Any, t: Any) -> None:
+        before = attachment.scaler.checkpoint()
+        with pytest.raises(KeyboardInterrupt):
+            if loop == "lossfun":
+                attachment.optimizer.update(lambda: InterruptingBackward()(model(x, t)))
+            else:
+                model.cleargrads()
+                attachment.backward(InterruptingBackward()(model(x, t)))
+        assert attachment.scaler.checkpoint() == before  # the handler's save: nothing of the step counted
+        if loop == "manual":
+            with pytest.raises(ScalerProtocolError, match=r"found no gradient"):
+                attachment.optimizer.update()  # the interrupt came before any parameter's gradient
+
+    trains_as_if_never_interrupted(loop, interruption)
 
 
 @pytest.mark.slow
@@ -421,31 +430,21 @@ def test_an_interrupt_in_a_later_micro_batchs_forward_drops_the_step_whose_gradi
     # The forward pass of a second micro-batch is the user's own code: nothing of ours sees a Ctrl-C there.
     # The handler drops the step (attachment.abandon_step(), or the scaler's, which the attachment notices);
     # the first micro-batch's scaled gradients are then refused until cleargrads(), never added or applied.
-    x, t = spirals(32)
-    x = x.astype(np.float16)
-    runs = []
-    for interrupt in (True, False):
-        model, optimizer = build()
-        attachment = attach(optimizer, GradScaler(init_scale=2.0**10, growth_interval=2))
-        optimizer.update(model, x, t)
-        if interrupt:
-            model.cleargrads()
-            attachment.backward(model(x[:16], t[:16]))
-            with pytest.raises(ScalerProtocolError, match=r"abandon_step\(\)"):
-                attachment.scaler.checkpoint()  # the handler must drop the step first
-            (attachment if drop == "attachment" else attachment.scaler).abandon_step()
-            before = attachment.scaler.checkpoint()
-            with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* optimizer.update\(\) would"):
-                optimizer.update()
-            with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* a backward pass would add"):
-                attachment.backward(model(x[16:], t[16:]))
-            assert attachment.scaler.checkpoint() == before  # the refusals changed nothing
-            attachment.abandon_step()  # between steps: nothing to do
-        for _ in range(2):
-            train_one_step("manual", attachment, x, t)
-        runs.append((arrays(model), attachment.scaler.checkpoint()))
-    assert_same_bits(runs[0][0], runs[1][0])
-    assert runs[0][1] == runs[1][1]
+    def interruption(model: Any, attachment: Any, x: Any, t: Any) -> None:
+        model.cleargrads()
+        attachment.backward(model(x[:16], t[:16]))
+        with pytest.raises(ScalerProtocolError, match=r"abandon_step\(\)"):
+            attachment.scaler.checkpoint()  # the handler must drop the step first
+        (attachment if drop == "attachment" else attachment.scaler).abandon_step()
+        before = attachment.scaler.checkpoint()
+        with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* optimizer.update\(\) would"):
+            attachment.optimizer.update()
+        with pytest.raises(ScalerProtocolError, match=r"gradient of a dropped step .* a backward pass would add"):
+            attachment.backward(model(x[16:], t[16:]))
+        assert attachment.scaler.checkpoint() == before  # the refusals changed nothing
+        attachment.abandon_step()  # between steps: nothing to do
+
+    trains_as_if_never_interrupted("manual", interruption)
 
 
 def train_one_step(loop: str, attachment: Any, x: Any, t: Any) -> None:
