@@ -102,7 +102,7 @@ def saves_refused_after_real_interrupts(save: Callable[[], object], seconds: flo
             try:
                 armed = True
                 signal.setitimer(signal.ITIMER_REAL, 0.0002)
-                for _ in range(50):
+                for _ in range(1_000_000):  # until the signal lands: a fast save() (a few µs) must not outrun it
                     save()
                 armed = False
             except KeyboardInterrupt:
