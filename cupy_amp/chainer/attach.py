@@ -178,7 +178,6 @@ class Attachment:
         # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
         # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
         self._left: list[tuple[Any, weakref.ref[Any]]] = []
-        self._left_by_dropped_step = False  # what _left holds: a dropped step's scaled gradients, not applied ones
         if optimizer.target is not None:
             for param in optimizer.target.params():
                 param._loss_scale = None  # stamps of backward passes made before attaching
@@ -245,13 +244,11 @@ class Attachment:
         (the forward pass of a later micro-batch) leaves it open. This ends
         it as they would: the scaler's step uncounted (``checkpoint()``
         works again; a step whose gradients were already checked is ended by
-        ``update()``), the float16 parameters back, and the gradients noted as
-        the dropped step's, so the next backward or ``update()`` refuses them
-        until ``model.cleargrads()``. The scaler's own ``abandon_step()`` is
-        noticed too. Does nothing between steps.
+        ``update()``), the float16 parameters back, and every gradient
+        cleared, so nothing of the step is added to the next or applied. Safe
+        to call again after an interrupt inside it; does nothing between steps.
         """
-        self._notice_dropped_step()
-        if self._seeded or self._checked or self._masters:
+        if self._seeded or self._checked or self._masters or self._scaler.is_step_open():
             self._abandon()
 
     def extension(self) -> LossScaleExtension:
@@ -392,7 +389,14 @@ class Attachment:
                 "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
                 "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
             )
-        self._notice_dropped_step()
+        if self._seeded and not scaler.is_step_open():
+            self._abandon()  # the gradients found here may hold the dropped step's: none may be applied
+            raise ScalerProtocolError(
+                "The step this backward pass belongs to was dropped by the scaler's abandon_step(), and the "
+                "gradients found here cannot be told from the dropped step's (or their sum), so they were cleared "
+                "and nothing was applied. Run the step again; in a handler, attachment.abandon_step() drops the "
+                "step and clears its gradients at once."
+            )
         self._refuse_stale_gradients(checking=True)
         scale = scaler.scale_factor()
         params = _unique(optimizer.target.namedparams())
@@ -477,15 +481,7 @@ class Attachment:
         if not int(sum(xp.count_nonzero(grad) for grad in stale)):
             return
         target = self._optimizer.target
-        every = len(stale) == sum(1 for param in target.params() if param.grad_var is not None)
-        if self._left_by_dropped_step:
-            raise ScalerProtocolError(
-                f"{len(stale)} parameter(s) still hold the gradient of a dropped step (its forward or backward pass "
-                "failed; scaled, never applied): "
-                + ("optimizer.update() would apply it. " if checking and every else "a backward pass would add to it. ")
-                + "Call model.cleargrads(), then attachment.backward(loss) and optimizer.update()."
-            )
-        if checking and every:
+        if checking and len(stale) == sum(1 for param in target.params() if param.grad_var is not None):
             raise ScalerProtocolError(
                 "optimizer.update() was called again with no backward pass since the last step: every gradient is "
                 "the last step's, already applied. Each step is model.cleargrads(), attachment.backward(loss), "
@@ -497,18 +493,17 @@ class Attachment:
             "step's backward pass, as optimizer.update(lossfun) does."
         )
 
-    def _leave(self, dropped: bool) -> None:
+    def _leave(self) -> None:
         """Note each parameter's gradient as this step leaves it (see :meth:`_refuse_stale_gradients`)."""
         target = self._optimizer.target
         params = target.params() if target is not None else ()
         self._left = [(param, weakref.ref(param.grad_var)) for param in params if param.grad_var is not None]
-        self._left_by_dropped_step = dropped
 
     def _notice_dropped_step(self) -> None:
-        """After the scaler's own ``abandon_step()`` (in a user's handler), note the gradients its step left."""
+        """Before a backward pass: a step the scaler's own ``abandon_step()`` dropped (in a user's handler) is
+        dropped here too, its gradients cleared."""
         if self._seeded and not self._scaler.is_step_open():
-            self._seeded = False
-            self._leave(dropped=True)
+            self._abandon()
 
     def _is_safe(self) -> bool:
         return self._finite
@@ -522,9 +517,9 @@ class Attachment:
         self._scaler.update()
         self._checked = False
         self._optimizer._loss_scale = self._scaler.scale_factor()
-        self._finish_parameters(dropped=False)
+        self._finish_parameters()
 
-    def _finish_parameters(self, dropped: bool) -> None:
+    def _finish_parameters(self) -> None:
         """Put the standing parameters back, clear the gradients of a step Chainer seeded, note what is left."""
         self._put_back(updated=self._finite)
         if self._clear_at_end:
@@ -532,7 +527,7 @@ class Attachment:
             for param in target.params() if target is not None else ():
                 param.cleargrad()
             self._clear_at_end = False
-        self._leave(dropped)
+        self._leave()
 
     def _put_back(self, updated: bool) -> None:
         """Make each standing parameter float16 again: its master rounded (after an update) or its old array.
@@ -550,23 +545,29 @@ class Attachment:
                 if updated:
                     master.array = param.array  # the rule may have replaced the array rather than written it
                 param.array = master.array.astype(np.float16) if updated else stand_in.array
+            elif param.array is not None:
+                param.array = param.array  # set again: an interrupt inside Chainer's setter leaves its node float32
             if param.grad is None and stand_in.grad is not None:
                 param.grad = stand_in.grad.astype(np.float16)
             self._masters.pop()
 
     def _abandon(self) -> None:
-        """After an exception in a seeded backward pass or inside ``update()``: end the scaler's step (dropped
-        before its check, ended by ``update()`` after it) and put the parameters back."""
-        self._seeded = False
-        checked = self._checked
+        """Drop the step (after an exception in a seeded backward pass or inside ``update()``, or for
+        :meth:`abandon_step`): end the scaler's step (dropped before its check, ended by ``update()`` after
+        it), put the parameters back and clear every gradient, so that nothing of the step is added to the
+        next one or applied. Each part can run again after an interrupt: the step's flags clear last."""
         if self._checked:
-            with contextlib.suppress(ScalerProtocolError):  # a check refused before it counted: nothing to end
+            with contextlib.suppress(ScalerProtocolError):  # a check refused before it counted, or ended already
                 self._scaler.update()
-            self._checked = False
         with contextlib.suppress(ScalerProtocolError):  # raised only where a counted call left update() to do
             self._scaler.abandon_step()  # a scaled loss and no counted gradient call: dropped, nothing counted
         self._optimizer._loss_scale = self._scaler.scale_factor()  # the next seed, whatever was interrupted
-        self._finish_parameters(dropped=not checked)  # unscaled or not, a retry must start from cleared gradients
+        self._put_back(updated=self._finite)
+        target = self._optimizer.target
+        for param in target.params() if target is not None else ():
+            param.cleargrad()
+        self._left, self._clear_at_end = [], False
+        self._checked = self._seeded = False
 
     def _refuse_loss_scaling(self, *args: Any, **kwargs: Any) -> None:
         raise ScalerProtocolError(
