@@ -365,8 +365,14 @@ class Attachment:
         target = self._optimizer.target
         if lossfun is None and target is not None and all(param.grad_var is None for param in target.params()):
             # Chainer's update() would fill them with zeros (reallocate_cleared_grads) and apply a step of nothing.
+            why = (
+                " (chainer.config.enable_backprop is False: an interrupt inside a `with chainer.no_backprop_mode()` "
+                "block can leave it so)"
+                if not self._chainer.config.enable_backprop
+                else ""
+            )
             raise ScalerProtocolError(
-                "optimizer.update() found no gradient: no backward pass ran since the gradients were cleared. "
+                f"optimizer.update() found no gradient: no backward pass ran since the gradients were cleared{why}. "
                 "Call attachment.backward(loss) before optimizer.update(), or optimizer.update(lossfun, *args)."
             )
         try:
