@@ -176,8 +176,10 @@ class Attachment:
         self._clear_at_end = False  # Chainer's own seed opened the step: the gradients are cleared when it ends
         self._attached_at = optimizer.t  # the optimizer's step count when attached
         # Each parameter's gradient variable as the last step left it (unscaled): still there at the next step,
-        # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed.
+        # unless cleargrads() dropped it. Weak, so a cleared gradient's memory is freed. At first, those made
+        # before attaching (another attachment's last step, before a detach()): a backward would add to them.
         self._left: list[tuple[Any, weakref.ref[Any]]] = []
+        self._leave()
         if optimizer.target is not None:
             for param in optimizer.target.params():
                 param._loss_scale = None  # stamps of backward passes made before attaching

@@ -1008,6 +1008,22 @@ def test_one_scaler_attached_to_two_optimizers_is_refused_and_one_each_works() -
     assert scaler.stats().steps == 2  # one step per iteration
 
 
+def test_gradients_left_before_attaching_are_refused_as_a_forgotten_cleargrads() -> None:
+    # detach() and attach again (or attach after training without a scaler): the last step's gradients are
+    # still on the parameters, and a backward without cleargrads() would add to them.
+    model, optimizer = build()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    x, t = spirals(16)
+    x = x.astype(np.float16)
+    train_one_step("manual", attachment, x, t)
+    attachment.detach()
+    attachment = attach(optimizer, GradScaler(init_scale=2.0**10))
+    with pytest.raises(ScalerProtocolError, match=r"cleargrads\(\) before each step's backward"):
+        attachment.backward(model(x, t))
+    train_one_step("manual", attachment, x, t)  # cleared first: goes on
+    assert attachment.scaler.stats().steps == 1
+
+
 def test_a_scaler_whose_optimizer_was_dropped_attaches_again_without_waiting_for_the_collector() -> None:
     model, optimizer = build()
     scaler = GradScaler()
