@@ -33,11 +33,15 @@ def _inside(filename: str) -> bool:
     return os.path.realpath(filename).startswith(PACKAGE)
 
 
-def interrupted(call: Callable[[], object], k: int, action: Callable[[], None] | None = None) -> bool:
+def interrupted(
+    call: Callable[[], object], k: int, action: Callable[[], None] | None = None, also: tuple[str, ...] = ()
+) -> bool:
     """Run ``call()``; at the k-th counted line inside cupy_amp, run ``action`` or raise KeyboardInterrupt.
 
+    ``also``: files (paths) whose lines count too, such as the Chainer code a step runs between ours.
     Returns whether that line was reached (False: the call ran through with fewer lines).
     """
+    counted = frozenset(os.path.realpath(path) for path in also)
     seen = 0
     reached = False
     with_visits: dict[tuple[Any, int], int] = {}  # (frame, line) -> events so far, for `with` lines
@@ -63,7 +67,8 @@ def interrupted(call: Callable[[], object], k: int, action: Callable[[], None] |
         return line
 
     def calls(frame: Any, event: str, arg: Any) -> Any:
-        return line if _inside(frame.f_code.co_filename) else None
+        filename = frame.f_code.co_filename
+        return line if _inside(filename) or (counted and os.path.realpath(filename) in counted) else None
 
     previous, errors = sys.gettrace(), np.geterr()
     sys.settrace(calls)
