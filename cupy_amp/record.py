@@ -49,10 +49,6 @@ class StatsRecord:
         self._step: int | None = None  # the step whose completed check() the record holds; None: "skip"
         self._readers: set[int] = set()  # the optimizers (by id) that applied it in that step
 
-    def holds(self, step: int) -> bool:
-        """Return whether the record holds step ``step``'s completed check."""
-        return self._step == step
-
     def completed(self, step: int) -> None:
         """Note that step ``step``'s ``check()`` completed: its record may now be applied, once per optimizer."""
         with self.lock:

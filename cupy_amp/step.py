@@ -413,10 +413,6 @@ class Step:
                 if scope.phase == INSPECTED:
                     scope.states.skip_all()
 
-    def holds(self, number: int) -> bool:
-        """Return whether step ``number`` is open with its gradients inspected (between check() and update())."""
-        return self.number == number and self.phase == INSPECTED
-
     def close(self) -> None:
         """End the step (after ``update()`` applied the rule), in one assignment."""
         empty = StepClaims()
