@@ -228,7 +228,6 @@ ENTRIES = {
         "cupy_amp_combine_vote": "cupy_amp::StateArgs",
         "cupy_amp_mark_overflow": "cupy_amp::StateArgs",
         "cupy_amp_update_state": "cupy_amp::StateArgs",
-        "cupy_amp_update_and_begin": "cupy_amp::StateArgs",
     },
 }
 

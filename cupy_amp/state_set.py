@@ -123,7 +123,7 @@ class StateSet:
         set to ``after`` instead (synchronizes).
         """
         if len(self.states) <= 1:
-            self.all()[0].update(begin_next=True)  # the host keeps the verdict: the next step begins here
+            self.all()[0].update()
         else:
             self.restore(self.config, after, *self.verdict)
 

@@ -243,7 +243,6 @@ class DeviceState:
         record["finite"] = not overflow
         record["stats"] = self.stats.address
         self.stats.record.closed()
-        self._begun = False  # the step is not begun: its flags hold the verdict restored
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
@@ -257,10 +256,7 @@ class DeviceState:
 
     def begin_step(self) -> None:
         self.stats.record.closed()  # until this step's check() completes (the kernel writes "skip")
-        if self._begun:  # the last update() began this step in its own launch
-            self._begun = False
-        else:
-            self._launch("cupy_amp_begin_step")
+        self._launch("cupy_amp_begin_step")
 
     def _flags(self, group: GradientGroup) -> int:
         """Return the address of this state's culprit flags for ``group``'s table, made (zeroed) on first use.
@@ -376,17 +372,11 @@ class DeviceState:
         with _on_device(self.device), self.follow():
             self.stats.skip.fill(1)
 
-    def update(self, begin_next: bool = False) -> None:
+    def update(self) -> None:
         """Queue the step's close (its record says "skip") and the rule, applied once per step: a retry after an
-        interrupted ``update()`` changes nothing more.
-
-        ``begin_next`` (the synchronous face, whose host keeps the verdict and repairs an interrupted update
-        by :meth:`restore`) begins the next step in the same launch.
-        """
+        interrupted ``update()`` changes nothing more."""
         self.stats.record.closed()
-        self._begun = False  # first: an interrupt after the launch leaves the begin to be launched again
-        self._launch("cupy_amp_update_and_begin" if begin_next else "cupy_amp_update_state")
-        self._begun = begin_next
+        self._launch("cupy_amp_update_state")
 
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
         """Return the positions of a call's arrays (``plan``: its tables) flagged in step ``epoch`` (synchronizes)."""

@@ -153,9 +153,9 @@ class HostState:
         """Make the statistics record say "skip"."""
         self.stats.skip[...] = 1
 
-    def update(self, begin_next: bool = False) -> None:
+    def update(self) -> None:
         """Close the step (its record says "skip"), applying the rule once: a retry after an interrupted
-        ``update()`` changes nothing more. ``begin_next`` saves a device state a launch; here it saves nothing."""
+        ``update()`` changes nothing more."""
         self.stats.record.closed()
         self.skip_statistics()
         if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing
