@@ -34,6 +34,7 @@ from interrupts import interrupted, saves_refused_after_real_interrupts
 
 from cupy_amp import DuplicateGradientError, GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
 from cupy_amp.distributed import POISON
+from cupy_amp.state_set import StateSet
 from cupy_amp.step import IDLE, INSPECTED, UNSCALED
 
 FACES = [GradScaler, SyncFreeGradScaler]
@@ -198,6 +199,55 @@ def test_update_interrupted_at_any_line_applies_the_rule_once(face: type, bad: b
         return True
 
     sweep(attempt)
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
+    bad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A second Ctrl-C while update() repairs the first (it sets the states from the host mirror): for every
+    # line k of update() and every line j of that repair, the user's retry applies the rule once, and the
+    # state the next kernels read is the mirror's. Here on the NumPy state; a device state must pass the
+    # same (a fold of the next step's begin into the device's update did not: its retry applied the rule
+    # twice on the device).
+    original = StateSet.restore
+    second_line, second_landed = 0, False
+
+    def interrupted_repair(self: StateSet, *args: Any) -> None:
+        nonlocal second_landed
+        if second_line and interrupted(lambda: original(self, *args), second_line):
+            second_landed = True
+            raise KeyboardInterrupt  # the second interrupt goes on out of update(), as a real one would
+        if not second_line:
+            original(self, *args)
+
+    monkeypatch.setattr(StateSet, "restore", interrupted_repair)
+    k, seconds = 1, 0
+    while True:
+        second_line = 0
+        while True:
+            second_landed = False
+            scaler, _ = new_scaler(GradScaler, False)
+            scaler.scale_loss(np.ones((), np.float32))
+            assert bool(scaler.unscale_and_check(gradients(bad))) is not bad
+            first_landed = interrupted(scaler.update, k)
+            if not first_landed or (second_line and not second_landed):
+                break  # past update()'s last line, or past the repair's (or no repair at this line)
+            where = f"update() line {k}, repair line {second_line}"
+            seconds += second_landed
+            if scaler._step.phase != IDLE:
+                with monkeypatch.context() as plain:
+                    plain.setattr(StateSet, "restore", original)
+                    scaler.update()  # the user's retry
+            stats = scaler.stats()
+            assert (stats.steps, stats.skipped_steps) == (1, int(bad)), where
+            assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), where
+            assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state, where  # what kernels read
+            second_line += 1
+        if not first_landed:
+            break
+        k += 1
+    assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
 
 
 @pytest.mark.parametrize("face", FACES)
