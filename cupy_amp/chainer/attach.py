@@ -14,7 +14,8 @@ object itself (no subclass), so Chainer's ``update`` runs unchanged around them:
   which becomes the scale; it goes to ``loss.grad`` in the loss's dtype, so
   Chainer's backward starts from it. A float16 loss whose seed float16 cannot
   hold is refused before the step opens. After an exception inside the step,
-  the float16 parameters are put back (see below) and the scaler's step is ended.
+  the float16 parameters are put back (see below), the scaler's step is ended
+  (dropped before its check) and every gradient is cleared.
 - ``_loss_scale``: the scale, so the backward stamps it on the parameters
   (which shows the backward was seeded with this step's scale) and a manual
   loop may seed with ``loss.backward(loss_scale=optimizer._loss_scale)``.
@@ -235,7 +236,7 @@ class Attachment:
             self._seed(loss)
             loss.backward(loss_scale=self._optimizer._loss_scale, **kwargs)
         except BaseException:
-            self._abandon()  # the step is dropped; its partial gradients are noted as left (cleargrads() next)
+            self._abandon()  # the step is dropped, its partial gradients cleared
             raise
 
     def abandon_step(self) -> None:
@@ -397,8 +398,7 @@ class Attachment:
                 "Chainer's own dynamic loss scaling was switched on after attaching a cupy-amp scaler: two scalers "
                 "would scale the gradients twice. Leave _loss_scaling_is_dynamic off."
             )
-        if self._seeded and not scaler.is_step_open():
-            self._abandon()  # the gradients found here may hold the dropped step's: none may be applied
+        if self._notice_dropped_step():  # the gradients found here may hold the dropped step's: none is applied
             raise ScalerProtocolError(
                 "The step this backward pass belongs to was dropped by the scaler's abandon_step(), and the "
                 "gradients found here cannot be told from the dropped step's (or their sum), so they were cleared "
@@ -507,11 +507,13 @@ class Attachment:
         params = target.params() if target is not None else ()
         self._left = [(param, weakref.ref(param.grad_var)) for param in params if param.grad_var is not None]
 
-    def _notice_dropped_step(self) -> None:
-        """Before a backward pass: a step the scaler's own ``abandon_step()`` dropped (in a user's handler) is
-        dropped here too, its gradients cleared."""
-        if self._seeded and not self._scaler.is_step_open():
+    def _notice_dropped_step(self) -> bool:
+        """Drop here too, its gradients cleared, a step the scaler's own ``abandon_step()`` dropped (in a user's
+        handler); return whether there was one."""
+        dropped = self._seeded and not self._scaler.is_step_open()
+        if dropped:
             self._abandon()
+        return dropped
 
     def _is_safe(self) -> bool:
         return self._finite
