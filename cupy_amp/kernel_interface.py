@@ -44,6 +44,7 @@ __all__ = [
     "THREADS",
     "UNSCALE_ARGS",
     "UNSCALE_DTYPE_NAMES",
+    "UPDATE_ARGS",
     "compile_options",
     "compile_source",
     "layout_checks",
@@ -75,6 +76,7 @@ STATE = np.dtype(
         ("remote_skipped_steps", "<u8"),
         ("epoch", "<u8"),
         ("updated_epoch", "<u8"),
+        ("folded_step", "<u8"),
         ("growth_factor", "<f8"),
         ("backoff_factor", "<f8"),
         ("floor", "<f8"),
@@ -95,6 +97,7 @@ STATE = np.dtype(
     align=True,
 )
 STATE_ARGS = np.dtype([("state", "<u8")], align=True)
+UPDATE_ARGS = np.dtype([("state", "<u8"), ("step", "<u8")], align=True)
 STATS = np.dtype(
     [
         ("overflowed", "<f8"),
@@ -192,6 +195,7 @@ STRUCTS = {
     "cupy_amp::ScaleArgs": SCALE_ARGS,
     "cupy_amp::State": STATE,
     "cupy_amp::StateArgs": STATE_ARGS,
+    "cupy_amp::UpdateArgs": UPDATE_ARGS,
     "cupy_amp::Stats": STATS,
     "cupy_amp::StatsArgs": STATS_ARGS,
     "cupy_amp::FinishArgs": FINISH_ARGS,
@@ -228,6 +232,7 @@ ENTRIES = {
         "cupy_amp_combine_vote": "cupy_amp::StateArgs",
         "cupy_amp_mark_overflow": "cupy_amp::StateArgs",
         "cupy_amp_update_state": "cupy_amp::StateArgs",
+        "cupy_amp_update_and_begin": "cupy_amp::UpdateArgs",
     },
 }
 

@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
-from cupy_amp.errors import ConfigError
+from cupy_amp.errors import ConfigError, ScalerProtocolError
 from cupy_amp.face import Face
 from cupy_amp.gradient_call import GradientScope, unscale_call
 from cupy_amp.gradients import CallCache, parse_gradients
@@ -110,7 +110,6 @@ class GradScaler(Face):
         self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
         self._scaling = StateSet(config, state, one_device=False)
         self._guard = StateSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False, counts=False)
-        self._bad_votes: dict[int, int] = {}  # impossible answers already raised, by state
 
     @classmethod
     def with_params(
@@ -222,10 +221,9 @@ class GradScaler(Face):
         lane.found(verdict.overflow, verdict.local)
         if verdict.poisoned:
             raise poisoned_error(OTHERS)
-        reported = self._bad_votes.get(id(state), 0)
-        if verdict.bad_votes > reported:
-            self._bad_votes[id(state)] = verdict.bad_votes
-            raise impossible_answers(verdict.bad_votes - reported)
+        new_bad_votes = state.new_bad_votes(verdict.bad_votes)
+        if new_bad_votes:
+            raise impossible_answers(new_bad_votes)
         if culprits is None:
             culprits = state.culprits(call.plan, verdict.epoch) if verdict.local else ()
         return culprits
@@ -236,21 +234,28 @@ class GradScaler(Face):
     def update(self) -> None:
         """End the step: back off after an overflow, grow after enough clean steps.
 
-        Never synchronizes the device. Disabled: no-op.
+        Never synchronizes the device. On the GPU the next step begins in the
+        same launch. Disabled: no-op.
 
         Raises:
-            ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``.
+            ScalerProtocolError: No ``unscale_and_check`` since the previous ``update()``, or the
+                current stream is capturing a CUDA graph (nothing is changed).
         """
 
         with self._step.lock.turn, self._step.admit():
             lane = self._lane
+            if lane.capturing():  # a replay would apply the rule where the host mirror never sees it
+                raise ScalerProtocolError(
+                    "GradScaler.update() cannot be captured in a CUDA graph: this scaler keeps its state on the "
+                    "host too, which a replay would leave behind. Capture the step with a SyncFreeGradScaler."
+                )
             if lane.counts:  # disabled, update() only ends the step
                 self._step.require_gradients()
                 mirror = self._mirror
                 if mirror.step != self._step.number:  # not applied yet (a retry after an interrupt may find it was)
                     state = next_state(mirror.config, mirror.state, *lane.verdict)
                     with self._states_follow_the_mirror(lane):
-                        lane.update(state)
+                        lane.update(state, self._step.number)
                         self._mirror = mirror._replace(state=state, step=self._step.number)
             else:
                 lane.close()  # a disabled step's record says "skip" again

@@ -115,17 +115,23 @@ class StateSet:
             state.stats.record.closed()
             state.skip_statistics()
 
-    def update(self, after: ScalerState) -> None:
+    def update(self, after: ScalerState, step: int) -> None:
         """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).
 
-        One state updates itself on its device. Several (gradients on several
+        One state updates itself on its device and begins step ``step + 1``
+        in the same launch (the host keeps the verdict, so nothing reads the
+        closed step's flags there again). Several (gradients on several
         devices in one process) each saw only their own arrays, so they are
         set to ``after`` instead (synchronizes).
         """
         if len(self.states) <= 1:
-            self.all()[0].update()
+            self.all()[0].update(step)
         else:
             self.restore(self.config, after, *self.verdict)
+
+    def capturing(self) -> bool:
+        """Return whether the states' device is capturing a CUDA graph on its current stream."""
+        return self._backend is not None and self._backend.capturing()
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool) -> None:
         """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch."""

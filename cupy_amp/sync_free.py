@@ -69,7 +69,6 @@ class SyncFreeGradScaler(Face):
         self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()
-        self._bad_votes_reported = 0
 
     @property
     def config(self) -> ScalerConfig:
@@ -117,9 +116,9 @@ class SyncFreeGradScaler(Face):
         if poisoned:
             self._step.poison(poisoned_error(OTHERS))
             self._step.refuse_if_broken()
-        if bad_votes > self._bad_votes_reported:
-            count, self._bad_votes_reported = bad_votes - self._bad_votes_reported, bad_votes
-            raise impossible_answers(count)
+        new_bad_votes = self._state.new_bad_votes(bad_votes)
+        if new_bad_votes:
+            raise impossible_answers(new_bad_votes)
         return state, overflow, local, epoch
 
     def scale_factor(self) -> float:
@@ -237,7 +236,7 @@ class SyncFreeGradScaler(Face):
             except BaseException:  # a load that failed part way leaves the state it found
                 self._states.restore(config, state, overflow, local)
                 raise
-            self._bad_votes_reported, self._step.records = 0, ()  # restore() cleared the state's count
+            self._step.records = ()
             self._numerics_source = None  # the loaded state's last step is not the one reported
 
     def __repr__(self) -> str:

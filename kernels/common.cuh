@@ -75,6 +75,7 @@ struct State {
     u64 remote_skipped_steps;
     u64 epoch;             // the open (or last) step's number: the scaler's own number << 32, plus a step count
     u64 updated_epoch;     // the epoch the rule was last applied in: a repeated update of a step does nothing
+    u64 folded_step;       // the host's step number of the last update() that also began the next step here
     double growth_factor;  // the update rule's configuration: cupy_amp.rule.ScalerConfig
     double backoff_factor;
     double floor;      // min_scale, or the smallest scale with a finite float32 inverse
@@ -95,6 +96,11 @@ struct State {
 
 struct StateArgs {
     u64 state;  // State*
+};
+
+struct UpdateArgs {
+    u64 state;  // State*
+    u64 step;   // the host's number of the step being closed (cupy_amp.step.Step.number)
 };
 
 constexpr double kPoison = 1099511627776.0;  // 2**40, cupy_amp.distributed.POISON: a multiple of POISON plus a

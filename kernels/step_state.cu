@@ -53,19 +53,22 @@ __device__ void update_state(State* s) {
     s->scale = scale;
 }
 
+// A step's first gradient call: a new epoch, flags that say "finite" until a kernel finds otherwise, and a
+// statistics record that says "skip" until this step's check() completes.
+__device__ void begin_step(State* s) {
+    s->epoch = next_epoch(s->epoch);
+    s->found = 0;
+    s->agreed = 0;
+    s->finite = 1;
+    reinterpret_cast<Stats*>(s->stats)->skip = 1;
+}
+
 }  // namespace cupy_amp
 
 #define CUPY_AMP_ONE_THREAD(NAME, ARGS) extern "C" __global__ void __launch_bounds__(1) NAME(const cupy_amp::ARGS args)
 
-// A step's first gradient call: a new epoch, flags that say "finite" until a kernel finds otherwise, and a
-// statistics record that says "skip" until this step's check() completes.
 CUPY_AMP_ONE_THREAD(cupy_amp_begin_step, StateArgs) {
-    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
-    s->epoch = cupy_amp::next_epoch(s->epoch);
-    s->found = 0;
-    s->agreed = 0;
-    s->finite = 1;
-    reinterpret_cast<cupy_amp::Stats*>(s->stats)->skip = 1;
+    cupy_amp::begin_step(reinterpret_cast<cupy_amp::State*>(args.state));
 }
 
 // Before unscale_and_check's all-reduce: this rank's pair, (its 0/1 overflow flag, 0).
@@ -93,4 +96,16 @@ CUPY_AMP_ONE_THREAD(cupy_amp_mark_overflow, StateArgs) {
 
 CUPY_AMP_ONE_THREAD(cupy_amp_update_state, StateArgs) {
     cupy_amp::update_state(reinterpret_cast<cupy_amp::State*>(args.state));
+}
+
+// The synchronous face's update(): the rule, then the next step's begin, in one launch, so that step's first
+// gradient call launches nothing. Once per host step number: the begin moves the epoch, so a retry after an
+// interrupt is told apart by the number, which a restore() clears (it writes the host mirror's state back).
+// The number changes every step, so this launch is never captured: GradScaler.update() refuses a capture.
+CUPY_AMP_ONE_THREAD(cupy_amp_update_and_begin, UpdateArgs) {
+    cupy_amp::State* s = reinterpret_cast<cupy_amp::State*>(args.state);
+    if (s->folded_step == args.step) return;
+    cupy_amp::update_state(s);
+    cupy_amp::begin_step(s);
+    s->folded_step = args.step;
 }

@@ -171,6 +171,8 @@ class DeviceState:
         # u64 per tensor, the epoch of this state's last launch that saw inf/nan in it. Tables are shared by
         # every scaler over the same memory; flags kept there would be another scaler's to overwrite.
         self._culprit_flags: dict[int, tuple[weakref.ref[cupy.ndarray], cupy.ndarray]] = {}
+        self._reported = 0  # the device's count of impossible all-reduce answers that new_bad_votes() handed out
+        self._begun = False  # the open step was begun by the last update()'s own launch (the synchronous face)
         self.restore(config, state, overflow, local, epoch)
 
     def follow(self) -> Any:
@@ -209,6 +211,15 @@ class DeviceState:
         epoch, poisoned = int(record["epoch"]) & 0xFFFFFFFF, bool(record["poisoned"])
         return Verdict(overflow, bool(found), epoch, int(record["bad_votes"]), poisoned)
 
+    def new_bad_votes(self, counted: int) -> int:
+        """Return how many of the ``counted`` impossible answers (a read's count) were not handed out yet.
+
+        The count and what was handed out of it live here together, so a
+        :meth:`restore` (which zeroes the device's count) resets both.
+        """
+        new, self._reported = max(counted - self._reported, 0), max(counted, self._reported)
+        return new
+
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int, bool]:
         """Wait for the whole device; return (state, the step's verdict, this rank's own overflow, epoch, bad
         votes, poisoned).
@@ -238,11 +249,15 @@ class DeviceState:
         record["hysteresis"] = config.hysteresis
         record["epoch"] = self._owner | (epoch & 0xFFFFFFFF)
         record["updated_epoch"] = 2**64 - 1  # no epoch: the open step's rule is not applied yet
+        record["folded_step"] = 2**64 - 1  # nor by a folded update(): the retry of one applies the rule here
         record["found"] = local
         record["agreed"] = overflow
         record["finite"] = not overflow
         record["stats"] = self.stats.address
         self.stats.record.closed()
+        # First: after an interrupt before the write, the next step begins again (harmless) and the old count is
+        # reported again (loud); never a count that hides new answers, or a step begun by no launch.
+        self._reported, self._begun = 0, False
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
@@ -256,7 +271,10 @@ class DeviceState:
 
     def begin_step(self) -> None:
         self.stats.record.closed()  # until this step's check() completes (the kernel writes "skip")
-        self._launch("cupy_amp_begin_step")
+        if self._begun:  # the last update()'s launch began this step (a second begin would only cost a launch)
+            self._begun = False
+        else:
+            self._launch("cupy_amp_begin_step")
 
     def _flags(self, group: GradientGroup) -> int:
         """Return the address of this state's culprit flags for ``group``'s table, made (zeroed) on first use.
@@ -372,11 +390,24 @@ class DeviceState:
         with _on_device(self.device), self.follow():
             self.stats.skip.fill(1)
 
-    def update(self) -> None:
+    def update(self, step: int | None = None) -> None:
         """Queue the step's close (its record says "skip") and the rule, applied once per step: a retry after an
-        interrupted ``update()`` changes nothing more."""
+        interrupted ``update()`` changes nothing more.
+
+        With ``step`` (the synchronous face's number of the step, which a
+        capture would freeze), the next step begins in the same launch, once
+        per number: its first gradient call then launches nothing.
+        """
         self.stats.record.closed()
-        self._launch("cupy_amp_update_state")
+        if step is None:
+            self._launch("cupy_amp_update_state")
+            return
+        self._begun = False  # first: after an interrupt past the launch, the next step begins again (harmless)
+        with _on_device(self.device):
+            launcher("step_state.cu", "cupy_amp_update_and_begin", threads=1)(
+                1, self.follow().ptr, state=self.address, step=step
+            )
+        self._begun = True
 
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
         """Return the positions of a call's arrays (``plan``: its tables) flagged in step ``epoch`` (synchronizes)."""

@@ -51,6 +51,10 @@ class HostState:
         """Return the step's verdict (garbage votes raise at once here: the host reads every answer)."""
         return Verdict(not bool(self._finite), self._found, self._epoch, 0, self._poisoned)
 
+    def new_bad_votes(self, counted: int) -> int:
+        """The host raises at every impossible answer (:meth:`finish_vote`): none is left to hand out."""
+        return 0
+
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int, bool]:
         """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes (always 0), poisoned)."""
         return self._state, not bool(self._finite), self._found, self._epoch, 0, self._poisoned
@@ -153,9 +157,13 @@ class HostState:
         """Make the statistics record say "skip"."""
         self.stats.skip[...] = 1
 
-    def update(self) -> None:
+    def update(self, step: int | None = None) -> None:
         """Close the step (its record says "skip"), applying the rule once: a retry after an interrupted
-        ``update()`` changes nothing more."""
+        ``update()`` changes nothing more.
+
+        ``step``: the device begins the next step in the same launch (to save
+        one); here a begin costs nothing, so it stays at the step's first call.
+        """
         self.stats.record.closed()
         self.skip_statistics()
         if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing

@@ -19,6 +19,7 @@ cupy = pytest.importorskip("cupy")
 
 from cupy_amp import CommunicatorError, GradScaler, ScalerProtocolError, SyncFreeGradScaler  # noqa: E402
 from cupy_amp.optim import SGD  # noqa: E402
+from cupy_amp.state_set import StateSet  # noqa: E402
 from cupy_amp.step import IDLE  # noqa: E402
 
 FACES = [GradScaler, SyncFreeGradScaler]
@@ -58,8 +59,98 @@ def test_an_update_interrupted_at_any_line_applies_the_device_rule_once(face: ty
         on_device = device_state(scaler).snapshot()[0]  # what the kernels use next, read from the device
         assert (on_device.steps, on_device.scale) == (1, expected), f"line {k}: the rule applied twice"
         assert (scaler.stats().steps, scaler.scale_factor()) == (1, expected), f"line {k}"
+        assert_next_steps_see_their_own_verdicts(scaler, bad, f"line {k}")
         k += 1
     assert k > 10  # the sweep went through update()'s lines
+
+
+def assert_next_steps_see_their_own_verdicts(scaler: Any, bad: bool, where: str) -> None:
+    """Two more steps, one with a culprit, report their own verdicts and culprits, never the last step's.
+
+    On the synchronous face, update()'s own launch begins the next step; after an interrupt it may be begun
+    again, or not by that launch: either way the step must start from "finite" with a new epoch.
+    """
+    for culprit in (1, None):
+        scaler.scale_loss(cupy.ones((), cupy.float32))
+        grads = [cupy.full(3, 8.0, cupy.float32) for _ in range(3)]
+        if culprit is not None:
+            grads[culprit][0] = cupy.nan
+        assert bool(scaler.unscale_and_check(grads)) is (culprit is None), where
+        assert scaler.nonfinite_gradients() == ([] if culprit is None else [culprit]), where
+        scaler.update()
+    stats = scaler.stats()
+    assert (stats.steps, stats.skipped_steps) == (3, int(bad) + 1), where
+    if isinstance(scaler, GradScaler):
+        assert device_state(scaler).snapshot()[0] == scaler._mirror.state, where
+
+
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_once(
+    bad: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The GPU twin of tests/step/test_step_interrupts.py's test of the same name: a Ctrl-C at line k of
+    # update() and a second one at line j of its repair (the states set from the host mirror). The retry must
+    # apply the rule once on the device too, though update()'s launch also begins the next step (its epoch
+    # moves, so the rule's once-per-epoch guard cannot tell the retry; the launch's step number does).
+    original = StateSet.restore
+    second_line, second_landed = 0, False
+
+    def interrupted_repair(self: StateSet, *args: Any) -> None:
+        nonlocal second_landed
+        if second_line and interrupted(lambda: original(self, *args), second_line):
+            second_landed = True
+            raise KeyboardInterrupt
+        if not second_line:
+            original(self, *args)
+
+    monkeypatch.setattr(StateSet, "restore", interrupted_repair)
+    k, seconds, expected = 1, 0, (2.0 if bad else 8.0)
+    while True:
+        second_line = 0
+        while True:
+            second_landed = False
+            scaler = GradScaler(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
+            scaler.scale_loss(cupy.ones((), cupy.float32))
+            grads = [cupy.full(3, 8.0, cupy.float32)]
+            if bad:
+                grads[0][1] = cupy.inf
+            assert bool(scaler.unscale_and_check(grads)) is not bad
+            first_landed = interrupted(scaler.update, k)
+            if not first_landed or (second_line and not second_landed):
+                break
+            where = f"update() line {k}, repair line {second_line}"
+            seconds += second_landed
+            if scaler._step.phase != IDLE:
+                with monkeypatch.context() as plain:
+                    plain.setattr(StateSet, "restore", original)
+                    scaler.update()  # the user's retry
+            on_device = device_state(scaler).snapshot()[0]
+            assert (on_device.steps, on_device.scale) == (1, expected), f"{where}: the rule applied twice"
+            assert on_device == scaler._mirror.state, where
+            with monkeypatch.context() as plain:
+                plain.setattr(StateSet, "restore", original)
+                assert_next_steps_see_their_own_verdicts(scaler, bad, where)
+            second_line += 1
+        if not first_landed:
+            break
+        k += 1
+    assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
+
+
+def test_update_refuses_a_capture_and_changes_nothing() -> None:
+    # The synchronous face keeps its state on the host as well: a replayed update() would move the device's
+    # scale behind the host's back (and its launch carries the step's number, which a capture would freeze).
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        scaler = GradScaler(init_scale=4.0, growth_interval=1)
+        grads = [cupy.ones(4, cupy.float32)]
+        open_step(scaler, cupy).unscale_and_check(grads)
+        with pytest.raises(ScalerProtocolError, match="SyncFreeGradScaler"):
+            capture(stream, scaler.update)
+        stream.synchronize()
+        assert scaler.is_step_open() and scaler.scale_factor() == 4.0
+        scaler.update()
+        assert scaler.scale_factor() == 8.0 and device_state(scaler).snapshot()[0] == scaler._mirror.state
 
 
 def test_a_replay_keeps_the_optimizer_tables_it_captured_after_an_eager_step_with_other_buffers() -> None:
@@ -155,6 +246,66 @@ def test_a_sum_of_squares_no_ranks_can_add_up_to_skips_the_step_and_is_reported(
     assert scaler.had_overflow()
     assert int(device_state(scaler).stats.skip) == 1  # what any optimizer reads: skip
     assert optimizer.step_count == 0 and cupy.asnumpy(weights).tolist() == [0.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("face", "restore"),
+    [
+        (GradScaler, "load"),
+        (GradScaler, "interrupted load"),
+        (GradScaler, "interrupted update"),
+        (SyncFreeGradScaler, "load"),
+        (SyncFreeGradScaler, "interrupted load"),
+    ],
+)
+def test_an_impossible_answer_after_the_state_was_restored_is_reported_again(
+    face: type, restore: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A restore (a load, or the repair of an interrupted load or update) zeroes the device's count of impossible
+    # answers; a count of those already reported, kept apart from it, hid the next ones until it was passed.
+    scaler = face(init_scale=4.0, comm=OtherRanks(0.5, 0.0))  # no count of ranks: every answer is impossible
+    saved = scaler.checkpoint()
+
+    def garbage_step() -> None:
+        open_step(scaler, cupy)
+        grads = [cupy.ones(4, cupy.float32)]
+        if face is GradScaler:
+            with pytest.raises(CommunicatorError, match="impossible"):
+                scaler.unscale_and_check(grads)
+            scaler.update()
+        else:
+            assert not bool(scaler.unscale_and_check(grads))
+            scaler.update()
+            with pytest.raises(CommunicatorError, match="impossible"):
+                scaler.stats()
+
+    def interrupt_after(name: str, call: Any) -> None:
+        original = getattr(StateSet, name)
+
+        def then_interrupt(self: StateSet, *args: Any) -> None:
+            original(self, *args)
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patched:
+            patched.setattr(StateSet, name, then_interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                call()
+
+    garbage_step()
+    if restore == "interrupted update":  # update() repairs the state from the host mirror, then is retried
+        open_step(scaler, cupy)
+        with pytest.raises(CommunicatorError, match="impossible"):
+            scaler.unscale_and_check([cupy.ones(4, cupy.float32)])
+        interrupt_after("update", scaler.update)
+        assert scaler.is_step_open()
+        scaler.update()
+    else:
+        garbage_step()
+        if restore == "load":
+            scaler.load_checkpoint(saved)
+        else:
+            interrupt_after("restore", lambda: scaler.load_checkpoint(saved))
+    garbage_step()  # the state's count starts again from 0: this answer is new, and is reported
 
 
 def test_a_learning_rate_set_on_another_stream_does_not_reach_a_step_queued_before() -> None:
