@@ -36,7 +36,7 @@ from cupy_amp._fileio import read_file_start
 from cupy_amp.checkpoint import read_checkpoint
 from cupy_amp.checkpoint_file import FILE_PREFIX, FORMAT_NAME, FORMAT_VERSION
 from cupy_amp.errors import CheckpointError
-from cupy_amp.optim import state_file
+from cupy_amp.optim import LAYOUTS, state_file
 from cupy_amp.rule import power_of_two
 
 __all__ = ["main"]
@@ -149,7 +149,7 @@ def _load_optimizer_state(path: str) -> tuple[str, int, dict[str, object]]:
     """Read and check an optimizer state file as far as no optimizer is needed."""
     try:
         # An optimizer state is as large as its parameters' buffers: without them, its own size is the bound.
-        layout, record, buffers = state_file.validated(state_file.read(path, os.path.getsize(path)))
+        layout, record, buffers = state_file.validated(state_file.read(path, os.path.getsize(path)), LAYOUTS)
     except CheckpointError as exc:
         raise CheckpointError(f"optimizer state {path!r}: {exc}") from None
     fields: dict[str, object] = {"kind": layout.kind}

@@ -13,6 +13,7 @@ the structs, the dtypes and the entry points' signatures agree. Needs no CuPy
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +30,7 @@ __all__ = [
     "CHUNK_BYTES",
     "ENTRIES",
     "FINISH_ARGS",
+    "KERNEL_FILES",
     "MAX_NDIM",
     "OPTIMIZER_ARGS",
     "PARAM_CHUNK",
@@ -217,14 +219,12 @@ ENTRIES = {
         **{f"cupy_amp_gradient_report_{name}": "cupy_amp::StatsArgs" for name in STATS_DTYPE_NAMES},
         "cupy_amp_finish_stats": "cupy_amp::FinishArgs",
     },
-    "optimizers.cu": {
-        "cupy_amp_adamw_begin": "cupy_amp::BeginArgs",
-        "cupy_amp_sgd_begin": "cupy_amp::BeginArgs",
-        **{
-            f"cupy_amp_{rule}_{name}": "cupy_amp::OptimizerArgs"
-            for rule in ("adamw", "sgd")
-            for name in PARAM_DTYPE_NAMES
-        },
+    **{
+        f"{kind}.cu": {
+            f"cupy_amp_{kind}_begin": "cupy_amp::BeginArgs",
+            **{f"cupy_amp_{kind}_{name}": "cupy_amp::OptimizerArgs" for name in PARAM_DTYPE_NAMES},
+        }
+        for kind in ("adamw", "sgd")
     },
     "step_state.cu": {
         "cupy_amp_begin_step": "cupy_amp::StateArgs",
@@ -235,6 +235,8 @@ ENTRIES = {
         "cupy_amp_update_and_begin": "cupy_amp::UpdateArgs",
     },
 }
+
+KERNEL_FILES = tuple(sorted(ENTRIES))  # every kernel file, each compiled on its own
 
 
 def compile_options() -> tuple[str, ...]:
@@ -252,8 +254,11 @@ _C_TYPES = {
 }
 
 
-def layout_checks(file_name: str) -> str:
+def layout_checks(file_name: str, source: str) -> str:
     """Return C++ that fails to compile unless each struct matches its NumPy dtype and each entry takes its struct.
+
+    Checked: every struct of :data:`STRUCTS` that ``source`` (the file's inlined
+    text) declares; an optimizer's State is declared in its own file only.
 
     A constant of each struct is built by aggregate initialization, which fills
     the fields in declaration order: each field must hold its own probe value
@@ -268,6 +273,8 @@ def layout_checks(file_name: str) -> str:
         "template <class A> struct same<A, A> { static constexpr bool value = true; };",
     ]
     for number, (struct, dtype) in enumerate(STRUCTS.items()):
+        if not re.search(rf"\bstruct\b[^;{{}}]*\b{struct.removeprefix('cupy_amp::')}\s*{{", source):
+            continue
         probe, names = f"probe{number}", dtype.names or ()
         bound = ", ".join(f"b{i}" for i in range(len(names)))
         lines.append(f"constexpr {struct} {probe}{{{', '.join(str(i + 1) for i in range(len(names)))}}};")
@@ -286,4 +293,5 @@ def layout_checks(file_name: str) -> str:
 
 def compile_source(file_name: str, directory: Traversable | None = None) -> str:
     """Return what is compiled for ``file_name``: its inlined source, then the layout checks."""
-    return read_kernel_source(file_name, directory) + '#line 1 "layout_checks"\n' + layout_checks(file_name)
+    source = read_kernel_source(file_name, directory)
+    return source + '#line 1 "layout_checks"\n' + layout_checks(file_name, source)

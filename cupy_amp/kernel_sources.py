@@ -20,9 +20,9 @@ from cupy_amp.errors import KernelSourceNotFoundError
 if TYPE_CHECKING:  # importlib.resources.abc from Python 3.11 on
     from importlib.abc import Traversable
 
-__all__ = ["KERNEL_FILES", "kernel_directory", "read_kernel_source"]
+__all__ = ["kernel_directory", "read_kernel_source"]
 
-KERNEL_FILES = ("grad_stats.cu", "optimizers.cu", "scale_loss.cu", "step_state.cu", "unscale_check.cu")
+_MARKER = "common.cuh"  # the header every kernel file includes: a folder without it holds no kernels
 _LOCAL_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[ \t]*$')
 
 
@@ -34,12 +34,12 @@ def kernel_directory() -> Traversable:
     """
     candidates = (resources.files("cupy_amp") / "kernels", Path(__file__).resolve().parent.parent / "kernels")
     for folder in candidates:
-        if all(folder.joinpath(name).is_file() for name in KERNEL_FILES):
+        if folder.joinpath(_MARKER).is_file():
             return folder
     searched = "\n".join(f"  {folder}" for folder in candidates)
     raise KernelSourceNotFoundError(
-        f"cupy-amp's CUDA kernel sources ({', '.join(KERNEL_FILES)}) were not found. Searched:\n{searched}\n"
-        "Reinstall cupy-amp."
+        f"cupy-amp's CUDA kernel sources ({_MARKER} and the .cu files beside it) were not found. Searched:\n"
+        f"{searched}\nReinstall cupy-amp."
     )
 
 
@@ -47,16 +47,18 @@ def read_kernel_source(name: str, directory: Traversable | None = None) -> str:
     """Return the text of kernel file ``name`` with its local headers inlined.
 
     Args:
-        name: One of :data:`KERNEL_FILES`.
+        name: A kernel file (``cupy_amp.kernel_interface.KERNEL_FILES``).
         directory: Where to read it (default: :func:`kernel_directory`); tools
             pass a copy to check.
 
     Raises:
-        KernelSourceNotFoundError: ``name`` is unknown, or it or a header it includes is missing.
+        KernelSourceNotFoundError: ``name`` is no kernel file there, or a header it includes is missing.
     """
-    if name not in KERNEL_FILES:
-        raise KernelSourceNotFoundError(f"Unknown kernel file {name!r}; expected one of {', '.join(KERNEL_FILES)}.")
-    return _inlined(directory if directory is not None else kernel_directory(), name)
+    folder = directory if directory is not None else kernel_directory()
+    if not name.endswith(".cu") or not folder.joinpath(name).is_file():
+        known = sorted(entry.name for entry in folder.iterdir() if entry.name.endswith(".cu"))
+        raise KernelSourceNotFoundError(f"Unknown kernel file {name!r}; expected one of {', '.join(known)}.")
+    return _inlined(folder, name)
 
 
 def _inlined(directory: Traversable, name: str) -> str:

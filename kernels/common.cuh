@@ -159,66 +159,6 @@ struct FinishArgs {
     int stage;       // kSumAndFinish, kSumOnly or kFinishOnly
 };
 
-// The fused optimizers' work (cupy_amp.optim): one chunk of one parameter; each address points at the
-// chunk's first element.
-struct ParamChunk {
-    u64 grad;
-    u64 param;
-    u64 master;         // float32 master weights; 0 when the parameter is float32 (updated in place)
-    u64 first_moment;   // AdamW: exp_avg; SGD: the momentum buffer (0 without momentum)
-    u64 second_moment;  // AdamW: exp_avg_sq; SGD: 0
-    long long count;    // elements
-};
-
-struct OptimizerArgs {
-    u64 chunks;  // const ParamChunk[chunk_count]
-    long long chunk_count;
-    u64 hyper;  // AdamWState or SgdState: the hyperparameters and this step's constants
-};
-
-struct BeginArgs {
-    u64 hyper;  // AdamWState or SgdState
-    u64 stats;  // 0 (no scaler: factor 1, never skip), or the step's Stats
-};
-
-// An optimizer's device-resident state besides its buffers. The host writes the hyperparameters; the
-// begin kernel derives the step's float32 constants (cupy_amp.twins.optimizers computes the same bits).
-struct AdamWState {
-    u64 step;  // updates applied; a skipped step leaves it unchanged
-    double lr;
-    double beta1;
-    double beta2;
-    double eps;
-    double weight_decay;
-    double beta1_power;  // beta1 ** step, as one product per applied update
-    double beta2_power;
-    float factor;  // the step's gradient factor (inv_scale * clip_coefficient)
-    float decay;   // 1 - lr * weight_decay
-    float neg_step_size;
-    float bias_correction2_sqrt;
-    float lerp_weight;  // 1 - beta1
-    float beta2_f;
-    float one_minus_beta2;
-    float eps_f;
-    int skip;
-};
-
-struct SgdState {
-    u64 step;
-    double lr;
-    double momentum;
-    double dampening;
-    double weight_decay;
-    float factor;
-    float neg_lr;
-    float momentum_f;
-    float one_minus_dampening;
-    float weight_decay_f;
-    int nesterov;
-    int first;  // this update is the first applied one: the momentum buffer starts as the gradient
-    int skip;
-};
-
 // float32 <-> float64 conversions and the inverse scale, in explicit PTX without .ftz: the scale may be
 // a float32 subnormal (down to 2**-128), which -ftz=true would flush to zero.
 __device__ __forceinline__ double widen(float f) {

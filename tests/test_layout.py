@@ -125,9 +125,13 @@ def test_importing_every_module_but_the_demo_imports_no_cupy() -> None:
 
 
 def test_every_kernel_has_its_numpy_twin_under_its_own_stem() -> None:
-    kernels = {path.stem for path in (PACKAGE.parent / "kernels").glob("*.cu")}
+    # Every kernel file, and every header of shared device code (not common.cuh: types and primitives), has
+    # its twin; every twin is one's.
+    folder = PACKAGE.parent / "kernels"
+    kernels = {path.stem for path in folder.glob("*.cu")}
+    shared = {path.stem for path in folder.glob("*.cuh")} - {"common"}
     twins = {path.stem for path in (PACKAGE / "twins").glob("*.py")} - {"__init__"}
-    assert kernels == twins
-    assert len(kernels) >= 5
-    for stem in kernels:  # each kernel names its twin
-        assert f"cupy_amp.twins.{stem}" in (PACKAGE.parent / "kernels" / f"{stem}.cu").read_text(encoding="utf-8")
+    assert kernels | shared == twins
+    assert len(kernels) >= 6 and shared == {"optimizer"}
+    for path in [folder / f"{stem}.cu" for stem in kernels] + [folder / f"{stem}.cuh" for stem in shared]:
+        assert f"cupy_amp.twins.{path.stem}" in path.read_text(encoding="utf-8"), path.name  # names its twin

@@ -20,9 +20,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from cupy_amp.kernel_interface import KERNEL_FILES, compile_source
 from cupy_amp.kernel_interface import compile_options as runtime_options
-from cupy_amp.kernel_interface import compile_source
-from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory
+from cupy_amp.kernel_sources import kernel_directory
 
 DEFAULT_ARCHS = ("70", "80", "90")
 CUPY_ADDED_OPTIONS = ("-ftz=true", "--device-as-default-execution-space")

@@ -3,7 +3,7 @@
 A step is a one-thread begin kernel (it reads the statistics record of the
 scaler's ``check()`` and opens the step on the optimizer's record), then one
 launch per parameter dtype over a table of ParamChunk records
-(``kernels/optimizers.cu``). Imported by :mod:`cupy_amp.optim.base`
+(``kernels/<rule>.cu``, over ``kernels/optimizer.cuh``). Imported by :mod:`cupy_amp.optim.base`
 only for CuPy parameters.
 """
 
@@ -40,9 +40,9 @@ _OTHER_STREAM = (
 def load_optimizer(rule: str, device: int) -> None:
     """Load the optimizer's kernels now (a CUDA graph capture cannot load modules)."""
     with _on_device(device):
-        launcher("optimizers.cu", f"cupy_amp_{rule}_begin", threads=1)
+        launcher(f"{rule}.cu", f"cupy_amp_{rule}_begin", threads=1)
         for name in PARAM_DTYPE_NAMES:
-            launcher("optimizers.cu", f"cupy_amp_{rule}_{name}")
+            launcher(f"{rule}.cu", f"cupy_amp_{rule}_{name}")
 
 
 def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int, stats: int, last: Any) -> Any:
@@ -59,11 +59,11 @@ def optimizer_step(rule: str, device: int, tables: list[ParamTable], hyper: int,
         current = cupy.cuda.get_current_stream()
         order_after(last, current, _OTHER_STREAM)
         stream = current.ptr
-        begin = launcher("optimizers.cu", f"cupy_amp_{rule}_begin", threads=1)
+        begin = launcher(f"{rule}.cu", f"cupy_amp_{rule}_begin", threads=1)
         begin(1, stream, hyper=hyper, stats=stats)
         for table in tables:
             grid = min(table.chunk_count, MAX_GRID)
-            launcher("optimizers.cu", table.entry)(
+            launcher(f"{rule}.cu", table.entry)(
                 grid, stream, chunks=table.memory.data.ptr, chunk_count=table.chunk_count, hyper=hyper
             )
     return current

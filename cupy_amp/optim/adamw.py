@@ -8,9 +8,10 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.errors import ConfigError
-from cupy_amp.optim import state_file
+from cupy_amp.kernel_interface import ADAMW_STATE
 from cupy_amp.optim.base import FusedOptimizer, hyperparameter
-from cupy_amp.twins import optimizers as numpy_twin
+from cupy_amp.optim.state_file import Layout
+from cupy_amp.twins import adamw as numpy_twin
 
 __all__ = ["AdamW"]
 
@@ -27,7 +28,14 @@ class AdamW(FusedOptimizer):
         ConfigError: A hyperparameter out of range (the message names it).
     """
 
-    _layout = state_file.ADAMW
+    layout = Layout(
+        "adamw",
+        ADAMW_STATE,
+        ("exp_avg", "exp_avg_sq"),
+        ("beta1", "beta2", "eps", "weight_decay"),
+        ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "beta1_power", "beta2_power"),
+        (("beta1_power", "beta1"), ("beta2_power", "beta2")),
+    )
 
     def __init__(
         self,
@@ -51,7 +59,7 @@ class AdamW(FusedOptimizer):
         )
 
     def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        numpy_twin.begin_adamw(record, skip, factor)
+        numpy_twin.begin(record, skip, factor)
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        numpy_twin.adamw_update(record, grad, weights, *moments)
+        numpy_twin.update(record, grad, weights, *moments)

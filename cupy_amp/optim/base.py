@@ -9,7 +9,7 @@ device for CuPy parameters. ``step(gradients, stats)`` reads the gradient
 factor (``inv_scale * clip_coefficient``) and the skip flag from the record a
 scaler's ``check()`` returned, so a step needs no value from the host: it can
 run ahead of the GPU and be captured in a CUDA graph. On the host (NumPy) the
-same operations run in :mod:`cupy_amp.twins.optimizers`, bit for bit.
+same operations run in each optimizer's twin (:mod:`cupy_amp.twins.adamw`...), bit for bit.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class FusedOptimizer:
     waiting for itself forever.
     """
 
-    _layout: ClassVar[state_file.Layout]  # the record's fields and the buffers
+    layout: ClassVar[state_file.Layout]  # what it keeps: its record's fields and its buffers (its state files')
 
     def __init__(self, params: Iterable[Any], hyperparameters: dict[str, float]) -> None:
         self._params = list(params)
@@ -78,14 +78,14 @@ class FusedOptimizer:
             self._masters = [xp.array(p, dtype=np.float32) if p.dtype != np.float32 else None for p in self._params]
             self._buffers = {
                 name: [xp.zeros(p.shape, dtype=np.float32) if self._has(name) else None for p in self._params]
-                for name in self._layout.moments
+                for name in self.layout.moments
             }
         self._lock = CallLock()
         self._torn: str | None = None  # what was interrupted while writing, until a load succeeds
-        self._record = np.zeros((), dtype=self._layout.record_dtype)  # the host's copy (the NumPy path's only one)
+        self._record = np.zeros((), dtype=self.layout.record_dtype)  # the host's copy (the NumPy path's only one)
         for name, value in hyperparameters.items():
             self._record[name] = value
-        for power, _ in self._layout.powers:
+        for power, _ in self.layout.powers:
             self._record[power] = 1.0
         self._device_record: Any = None
         self._tables: Any = None
@@ -97,9 +97,9 @@ class FusedOptimizer:
             from cupy_amp.gpu import optimizer_launches as launches
 
             self._backend = launches
-            launches.load_optimizer(self._layout.kind, self._device)
+            launches.load_optimizer(self.layout.kind, self._device)
             with xp.cuda.Device(self._device):
-                self._device_record = xp.zeros(self._layout.record_dtype.itemsize, dtype=np.uint8)
+                self._device_record = xp.zeros(self.layout.record_dtype.itemsize, dtype=np.uint8)
             self._push_record()
 
     def _on_device(self) -> contextlib.AbstractContextManager[Any]:
@@ -134,7 +134,7 @@ class FusedOptimizer:
             return self._record
         with self._xp.cuda.Device(self._device) as device:
             device.synchronize()  # steps may be queued on any stream
-            return np.frombuffer(self._device_record.get().tobytes(), dtype=self._layout.record_dtype).reshape(())
+            return np.frombuffer(self._device_record.get().tobytes(), dtype=self.layout.record_dtype).reshape(())
 
     @property
     def lr(self) -> float:
@@ -152,7 +152,7 @@ class FusedOptimizer:
     def _set_lr(self, lr: float) -> None:
         if self._device_record is not None:
             self._backend.refuse_capture("a new learning rate is copied from the host")
-            offset = self._layout.record_dtype.fields["lr"][1]  # type: ignore[index]
+            offset = self.layout.record_dtype.fields["lr"][1]  # type: ignore[index]
             target = self._device_record[offset : offset + 8]
             # After the steps queued so far (which keep the old value), whichever stream they are on.
             self._stream = self._backend.write_after(self._device, self._stream, target, np.array([lr], dtype="<f8"))
@@ -277,7 +277,7 @@ class FusedOptimizer:
         self._torn = "a step was interrupted (or failed) between its launches"
         self._note_applying(stats)
         try:
-            stream = self._backend.optimizer_step(self._layout.kind, self._device, tables, hyper, address, self._stream)
+            stream = self._backend.optimizer_step(self.layout.kind, self._device, tables, hyper, address, self._stream)
         except ScalerProtocolError:
             if stats is not None:
                 stats.refused(self)  # its one refusal comes before the first launch: nothing changed
@@ -309,12 +309,12 @@ class FusedOptimizer:
             master = self._masters[index]
             weights = (p if master is None else master).copy()
             moments = [
-                None if b is None else b.copy() for b in (self._buffers[name][index] for name in self._layout.moments)
+                None if b is None else b.copy() for b in (self._buffers[name][index] for name in self.layout.moments)
             ]
             self._update(record, g, weights, *moments)
             if master is not None:
                 masters[index] = weights
-            for name, moment in zip(self._layout.moments, moments):
+            for name, moment in zip(self.layout.moments, moments):
                 buffers[name][index] = moment
             values.append(weights if master is None else weights.astype(p.dtype))
         self._torn = "a step was interrupted while it wrote the parameters"
@@ -333,15 +333,15 @@ class FusedOptimizer:
             for index, (g, p) in enumerate(zip(grads, self._params)):
                 name = str(dtype_name(p.dtype))  # one of arguments.PARAM_DTYPES: checked at construction
                 master = self._masters[index]
-                moments = [self._buffers[m][index] for m in self._layout.moments] + [None] * (
-                    2 - len(self._layout.moments)
+                moments = [self._buffers[m][index] for m in self.layout.moments] + [None] * (
+                    2 - len(self.layout.moments)
                 )
                 buffers = (master, *moments)
                 addresses = (int(g.data.ptr), int(p.data.ptr), *(0 if b is None else int(b.data.ptr) for b in buffers))
                 groups.setdefault(name, []).append(addresses)
                 counts.setdefault(name, []).append(p.size)
             with self._xp.cuda.Device(self._device):
-                self._tables = self._backend.param_tables(self._layout.kind, groups, counts)
+                self._tables = self._backend.param_tables(self.layout.kind, groups, counts)
             self._table_key = key
         return self._tables
 
@@ -366,8 +366,8 @@ class FusedOptimizer:
         return {
             "format": state_file.STATE_FORMAT,
             "version": state_file.STATE_VERSION,
-            "kind": self._layout.kind,
-            "record": {name: record[name].item() for name in self._layout.persistent},
+            "kind": self.layout.kind,
+            "record": {name: record[name].item() for name in self.layout.persistent},
             "buffers": {
                 name: [None if b is None else _host_bytes(b) for b in arrays] for name, arrays in buffers.items()
             },
@@ -419,11 +419,8 @@ class FusedOptimizer:
             CheckpointFieldError: The first field that could not be (see :func:`state_file.validated`), or
                 one that does not fit this optimizer (its kind, hyperparameters and parameters).
         """
-        layout, record, buffers = state_file.validated(state)
-        if layout is not self._layout:
-            expected = f"{self._layout.kind!r} (the state of a {type(self).__name__})"
-            raise state_file.invalid("kind", expected, repr(state["kind"]))
-        for name in self._layout.hyperparameters:
+        _, record, buffers = state_file.validated(state, {self.layout.kind: self.layout})
+        for name in self.layout.hyperparameters:
             if record[name] != self._record[name]:
                 ours = f"{self._record[name].item()!r} (this optimizer's)"
                 raise state_file.invalid(f"record.{name}", ours, repr(state["record"][name]))
@@ -466,7 +463,7 @@ class FusedOptimizer:
                 holding a value that no sequence of steps produces (the message names the field).
             ScalerProtocolError: This thread is inside another call of this optimizer.
         """
-        buffers = sum(4 * p.size for p in self._params) * (1 + len(self._layout.moments))
+        buffers = sum(4 * p.size for p in self._params) * (1 + len(self.layout.moments))
         self.load_state_dict(state_file.read(path, buffers + (1 << 16) + 64 * len(self._params)))
 
 

@@ -8,9 +8,11 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.errors import ConfigError
+from cupy_amp.kernel_interface import SGD_STATE
 from cupy_amp.optim import state_file
 from cupy_amp.optim.base import FusedOptimizer, hyperparameter
-from cupy_amp.twins import optimizers as numpy_twin
+from cupy_amp.optim.state_file import Layout
+from cupy_amp.twins import sgd as numpy_twin
 
 __all__ = ["SGD"]
 
@@ -27,7 +29,13 @@ class SGD(FusedOptimizer):
         ConfigError: A hyperparameter out of range (the message names it).
     """
 
-    _layout = state_file.SGD
+    layout = Layout(
+        "sgd",
+        SGD_STATE,
+        ("momentum_buffer",),
+        ("momentum", "dampening", "weight_decay", "nesterov"),
+        ("step", "lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    )
 
     def __init__(
         self,
@@ -57,7 +65,7 @@ class SGD(FusedOptimizer):
         return self._with_momentum
 
     def _begin(self, record: np.ndarray, skip: bool, factor: np.float32) -> None:
-        numpy_twin.begin_sgd(record, skip, factor)
+        numpy_twin.begin(record, skip, factor)
 
     def _update(self, record: np.ndarray, grad: np.ndarray, weights: np.ndarray, *moments: Any) -> None:
-        numpy_twin.sgd_update(record, grad, weights, *moments)
+        numpy_twin.update(record, grad, weights, *moments)

@@ -2,7 +2,7 @@
 
 A state (what ``state_dict()`` returns and ``save()`` writes) is a map::
 
-    {"format": "cupy-amp.optimizer", "version": 1, "kind": "adamw" | "sgd",
+    {"format": "cupy-amp.optimizer", "version": 1, "kind": "adamw" | "sgd" | ...,
      "record": {field: number, ...}, "buffers": {"master": [...], moment: [...], ...}}
 
 with one entry per parameter in each buffer list: float32 bytes, or None where the
@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import os
 import zlib
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import msgpack
@@ -24,14 +25,10 @@ import numpy as np
 
 from cupy_amp._fileio import read_regular_file, write_file_atomic
 from cupy_amp.errors import CheckpointCorruptError, CheckpointFieldError
-from cupy_amp.kernel_interface import ADAMW_STATE, SGD_STATE
 
 __all__ = [
-    "ADAMW",
     "FILE_PREFIX",
-    "LAYOUTS",
     "RANGES",
-    "SGD",
     "STATE_FORMAT",
     "STATE_VERSION",
     "Layout",
@@ -102,24 +99,6 @@ class Layout(NamedTuple):
     powers: tuple[tuple[str, str], ...] = ()  # (power, beta): fields the steps multiply by a beta
 
 
-ADAMW = Layout(
-    "adamw",
-    ADAMW_STATE,
-    ("exp_avg", "exp_avg_sq"),
-    ("beta1", "beta2", "eps", "weight_decay"),
-    ("step", "lr", "beta1", "beta2", "eps", "weight_decay", "beta1_power", "beta2_power"),
-    (("beta1_power", "beta1"), ("beta2_power", "beta2")),
-)
-SGD = Layout(
-    "sgd",
-    SGD_STATE,
-    ("momentum_buffer",),
-    ("momentum", "dampening", "weight_decay", "nesterov"),
-    ("step", "lr", "momentum", "dampening", "weight_decay", "nesterov"),
-)
-LAYOUTS = {layout.kind: layout for layout in (ADAMW, SGD)}
-
-
 def write(path: str | os.PathLike[str], state: dict[str, Any]) -> None:
     """Write ``state`` to ``path`` atomically: the old file or the new one, never a mix."""
     body: bytes = msgpack.packb(state, use_bin_type=True, use_single_float=False)
@@ -142,8 +121,10 @@ def read(path: str | os.PathLike[str], limit: int) -> Any:
         raise CheckpointCorruptError(f"{os.fsdecode(path)}: not an optimizer state ({error}).") from None
 
 
-def validated(state: Any) -> tuple[Layout, np.ndarray, dict[str, list[bytes | None]]]:
+def validated(state: Any, layouts: Mapping[str, Layout]) -> tuple[Layout, np.ndarray, dict[str, list[bytes | None]]]:
     """Return the layout, the record and the buffers of ``state`` if some sequence of steps can produce it.
+
+    ``layouts``: the kinds of optimizer a state may be of (:data:`cupy_amp.optim.LAYOUTS`: every kind), by kind.
 
     Raises:
         CheckpointFieldError: The first field that could not be (named as ``record.<name>`` or
@@ -156,9 +137,10 @@ def validated(state: Any) -> tuple[Layout, np.ndarray, dict[str, list[bytes | No
     if state["format"] != STATE_FORMAT or state["version"] != STATE_VERSION:
         got = f"{state['format']!r} version {state['version']!r}"
         raise invalid("format", f"{STATE_FORMAT!r} version {STATE_VERSION}", got)
-    layout = LAYOUTS.get(state["kind"]) if isinstance(state["kind"], str) else None
+    layout = layouts.get(state["kind"]) if isinstance(state["kind"], str) else None
     if layout is None:
-        raise invalid("kind", f"one of {', '.join(map(repr, LAYOUTS))}", repr(state["kind"]))
+        kinds = ", ".join(map(repr, layouts))
+        raise invalid("kind", kinds if len(layouts) == 1 else f"one of {kinds}", repr(state["kind"]))
     record = _checked_record(layout, state["record"])
     buffers = state["buffers"]
     names = ("master", *layout.moments)

@@ -9,7 +9,8 @@ checkout imports the package from ``cupy_amp/``, so the twins live here, each un
   finished record);
 - ``kernels/step_state.cu``    -> :mod:`cupy_amp.twins.step_state` (``HostState``: a scaler's state and its
   one-thread steps, the update rule being :func:`cupy_amp.rule.next_state`);
-- ``kernels/optimizers.cu``    -> :mod:`cupy_amp.twins.optimizers` (the fused AdamW and SGD).
+- ``kernels/optimizer.cuh``   -> :mod:`cupy_amp.twins.optimizer` (what every fused optimizer shares), and
+  ``kernels/adamw.cu``, ``kernels/sgd.cu`` -> :mod:`cupy_amp.twins.adamw`, :mod:`cupy_amp.twins.sgd`.
 
 Each is the NumPy path itself, and the reference its kernel matches (bit for bit where the kernel's
 comments say so). :mod:`cupy_amp.numpy_backend` is the NumPy arrays' backend over them.

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from cupy_amp.kernel_interface import KERNEL_FILES, STRUCTS, compile_source, layout_checks
 from cupy_amp.kernel_interface import compile_options as runtime_options
-from cupy_amp.kernel_interface import compile_source, layout_checks
-from cupy_amp.kernel_sources import KERNEL_FILES
+from cupy_amp.kernel_sources import read_kernel_source
 from tools import check_kernels
 
 pytestmark = pytest.mark.nvrtc
@@ -92,7 +92,7 @@ def test_compiled_source_is_the_inlined_kernel_source(monkeypatch: pytest.Monkey
 
     assert sources == [compile_source("unscale_check.cu")]
     assert sources[0].startswith('#line 1 "unscale_check.cu"')
-    assert sources[0].endswith(layout_checks("unscale_check.cu"))
+    assert sources[0].endswith(layout_checks("unscale_check.cu", read_kernel_source("unscale_check.cu")))
 
 
 def test_planted_warning_fails_and_points_at_its_line(kernel_copy: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,3 +200,25 @@ def test_an_entry_point_that_no_longer_takes_its_struct_by_value_fails_to_compil
     result = check_kernels.compile_kernel("unscale_check.cu", "80", kernel_copy)
     assert not result.ok
     assert any("cupy_amp_unscale_check_float32: signature" in line for line in result.diagnostics)
+
+
+def test_every_mirrored_struct_is_checked_in_a_file_that_declares_it() -> None:
+    # A struct is checked where the compiled source declares it (an optimizer's State only in its own file):
+    # a mirror no file checks would drift silently.
+    checked = {
+        name: [f for f in KERNEL_FILES if f"static_assert(sizeof({name})" in compile_source(f)] for name in STRUCTS
+    }
+    assert all(checked.values()), [name for name, files in checked.items() if not files]
+    assert checked["cupy_amp::AdamWState"] == ["adamw.cu"] and checked["cupy_amp::SgdState"] == ["sgd.cu"]
+    assert checked["cupy_amp::State"] == list(KERNEL_FILES)  # common.cuh's structs, in every file
+
+
+def test_an_optimizer_state_that_no_longer_matches_its_mirror_fails_its_own_file(kernel_copy: Path) -> None:
+    target = kernel_copy / "sgd.cu"
+    text = target.read_text(encoding="utf-8")
+    assert "    int first;" in text
+    target.write_text(text.replace("    int first;", "    int planted;\n    int first;"), encoding="utf-8")
+    result = check_kernels.compile_kernel("sgd.cu", "80", kernel_copy)
+    assert not result.ok
+    assert any("cupy_amp::SgdState" in line for line in result.diagnostics)
+    assert check_kernels.compile_kernel("adamw.cu", "80", kernel_copy).ok  # the other optimizer's file is unaffected

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from cupy_amp import CupyAmpError, KernelSourceNotFoundError, kernel_sources
-from cupy_amp.kernel_sources import KERNEL_FILES, kernel_directory, read_kernel_source
+from cupy_amp.kernel_interface import KERNEL_FILES
+from cupy_amp.kernel_sources import kernel_directory, read_kernel_source
 
 REPO = Path(__file__).resolve().parents[2]
 SOURCE_KERNELS = REPO / "kernels"
@@ -92,7 +93,8 @@ def test_read_kernel_source_inlines_the_shared_header(name: str) -> None:
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_read_kernel_source_line_directives_point_at_the_original_files(name: str) -> None:
     named = assert_line_directives_map_back(read_kernel_source(name), SOURCE_KERNELS)
-    assert named == {name, HEADER}
+    includes = re.findall(r'^#include "([^"]+)"', (SOURCE_KERNELS / name).read_text(encoding="utf-8"), re.MULTILINE)
+    assert named == {name, HEADER, *includes}
 
 
 def test_nested_includes_are_inlined_with_their_own_line_numbers(kernel_copy: Path) -> None:

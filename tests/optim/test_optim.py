@@ -28,7 +28,7 @@ from cupy_amp.errors import (
 )
 from cupy_amp.optim import SGD, AdamW
 from cupy_amp.record import GradientStats, StatsRecord
-from cupy_amp.twins.optimizers import fma32
+from cupy_amp.twins.optimizer import fma32
 
 SHAPES = [(37, 5), (1000,), (3, 3, 3)]
 

@@ -162,3 +162,19 @@ def test_the_command_line_says_what_a_foreign_file_is(tmp_path: Path, capsys: py
     first, second = capsys.readouterr().err.splitlines()
     assert "a zip archive (a NumPy .npz)" in first and "cupy-amp demo --resume" in first
     assert "not a cupy-amp file" in second
+
+
+def test_a_state_of_another_kind_is_refused_by_load_and_accepted_by_the_cli(tmp_path: Path) -> None:
+    sgd = SGD([np.zeros(3, dtype=np.float16)], momentum=0.5)
+    path = tmp_path / "sgd.state"
+    sgd.save(path)
+    optimizer = adamw()
+    before = optimizer.state_dict()
+    with pytest.raises(CheckpointFieldError, match=r"^Invalid 'kind': expected 'adamw', got 'sgd'\.$"):
+        optimizer.load(path)
+    assert optimizer.state_dict() == before  # nothing half-loaded
+    assert main(["validate", str(path)]) == 0  # the CLI knows every kind (cupy_amp.optim.LAYOUTS)
+    state = sgd.state_dict()
+    state["kind"] = "lamb"
+    with pytest.raises(CheckpointFieldError, match=r"expected one of 'adamw', 'sgd', got 'lamb'"):
+        state_file.validated(state, {layout.kind: layout for layout in (AdamW.layout, SGD.layout)})

@@ -1,12 +1,33 @@
-// Fused optimizer updates (cupy_amp.optim): one launch per (gradient dtype, parameter dtype) updates every
-// parameter of the group. Each update multiplies the gradient by the step's factor (inv_scale times the
-// clip coefficient, from device memory), never writes the gradient, and does nothing at all when the
-// step is skipped. float16/bfloat16 parameters are updated through float32 master weights and written
-// back rounded, in the same pass. Every float32 operation is explicit non-flushing PTX, in the order
-// its NumPy twin, cupy_amp.twins.optimizers, uses: the same bits.
-#include "common.cuh"
+// What every fused optimizer (cupy_amp.optim) shares: the chunks and arguments of its launches, the loads
+// and stores of its elements, the step's loop over the chunks, the opening of a step, and the entry points.
+// Each optimizer's file (adamw.cu, sgd.cu) adds its State struct, its Rule and its begin kernel. NumPy twin:
+// cupy_amp.twins.optimizer, and each optimizer's own (cupy_amp.twins.adamw...), which run the same float32
+// operations in the same order: the same bits. Every float32 operation is explicit non-flushing PTX.
+// Include after common.cuh.
 
 namespace cupy_amp {
+
+// The fused optimizers' work (cupy_amp.optim): one chunk of one parameter; each address points at the
+// chunk's first element.
+struct ParamChunk {
+    u64 grad;
+    u64 param;
+    u64 master;         // float32 master weights; 0 when the parameter is float32 (updated in place)
+    u64 first_moment;   // AdamW: exp_avg; SGD: the momentum buffer (0 without momentum)
+    u64 second_moment;  // AdamW: exp_avg_sq; SGD: 0
+    long long count;    // elements
+};
+
+struct OptimizerArgs {
+    u64 chunks;  // const ParamChunk[chunk_count]
+    long long chunk_count;
+    u64 hyper;  // the optimizer's State (AdamWState, SgdState): its hyperparameters and this step's constants
+};
+
+struct BeginArgs {
+    u64 hyper;  // the optimizer's State
+    u64 stats;  // 0 (no scaler: factor 1, never skip), or the step's Stats
+};
 
 // Elements as the optimizers see them (the common family's load and store): float32 values, four at a time.
 template <class T>
@@ -49,35 +70,11 @@ __device__ __forceinline__ void store1(u64 address, long long i, float f) {
     reinterpret_cast<typename T::bits*>(address)[i] = T::store(f);
 }
 
-// torch.optim.AdamW's single-tensor update on the CPU, in float32: fused multiply-adds where it fuses.
-struct AdamWRule {
-    typedef AdamWState State;
-    static __device__ __forceinline__ void update(const State& h, float g, float& p, float& m, float& v) {
-        g = mul_f32(g, h.factor);
-        p = mul_f32(p, h.decay);
-        // torch's lerp of m towards g: from m for a small weight (beta1 > 0.5), from g for a large one.
-        m = h.lerp_weight < 0.5f ? fma_f32(h.lerp_weight, sub_f32(g, m), m)
-                                 : fma_f32(sub_f32(h.lerp_weight, 1.0f), sub_f32(g, m), g);
-        v = fma_f32(mul_f32(h.one_minus_beta2, g), g, mul_f32(v, h.beta2_f));
-        const float denom = add_f32(div_f32(sqrt_f32(v), h.bias_correction2_sqrt), h.eps_f);
-        p = add_f32(p, div_f32(mul_f32(h.neg_step_size, m), denom));
-    }
-};
-
-// torch.optim.SGD's single-tensor update on the CPU (`m` is the momentum buffer; `v` is unused).
-struct SgdRule {
-    typedef SgdState State;
-    static __device__ __forceinline__ void update(const State& h, float g, float& p, float& m, float&) {
-        g = mul_f32(g, h.factor);
-        if (h.weight_decay != 0.0) g = fma_f32(p, h.weight_decay_f, g);
-        if (h.momentum != 0.0) {
-            m = h.first ? g : fma_f32(g, h.one_minus_dampening, mul_f32(m, h.momentum_f));
-            g = h.nesterov ? fma_f32(m, h.momentum_f, g) : m;
-        }
-        p = fma_f32(g, h.neg_lr, p);
-    }
-};
-
+// One launch per (gradient dtype, parameter dtype) updates every parameter of the group. Each update
+// multiplies the gradient by the step's factor (inv_scale times the clip coefficient, from device memory),
+// never writes the gradient, and does nothing at all when the step is skipped. float16/bfloat16 parameters
+// are updated through float32 master weights and written back rounded, in the same pass. `Rule::update`
+// takes (state, gradient, weight, first moment, second moment); a rule without a moment ignores it.
 template <class Rule, class Grad, class Param>
 __device__ void optimizer_step(const OptimizerArgs& args) {
     const typename Rule::State h = *reinterpret_cast<const typename Rule::State*>(args.hyper);
@@ -119,7 +116,8 @@ __device__ void optimizer_step(const OptimizerArgs& args) {
     }
 }
 
-// The step's constants, in float64 then rounded once, as cupy_amp/twins/optimizers.py computes them.
+// A step's opening, for every optimizer: skip, and the gradients' factor, from the scaler's statistics
+// record (no record: factor 1, never skip). Returns whether the step applies.
 __device__ __forceinline__ bool begin(int& skip, float& factor, const BeginArgs& args) {
     const Stats* stats = reinterpret_cast<const Stats*>(args.stats);
     skip = stats != nullptr && stats->skip != 0;
@@ -129,44 +127,13 @@ __device__ __forceinline__ bool begin(int& skip, float& factor, const BeginArgs&
 
 }  // namespace cupy_amp
 
-extern "C" __global__ void __launch_bounds__(1) cupy_amp_adamw_begin(const cupy_amp::BeginArgs args) {
-    cupy_amp::AdamWState* s = reinterpret_cast<cupy_amp::AdamWState*>(args.hyper);
-    if (!cupy_amp::begin(s->skip, s->factor, args)) return;
-    s->step += 1;
-    s->beta1_power = __dmul_rn(s->beta1_power, s->beta1);
-    s->beta2_power = __dmul_rn(s->beta2_power, s->beta2);
-    const double correction1 = __dsub_rn(1.0, s->beta1_power);
-    const double correction2 = __dsub_rn(1.0, s->beta2_power);
-    s->decay = cupy_amp::narrow(__dsub_rn(1.0, __dmul_rn(s->lr, s->weight_decay)));
-    s->neg_step_size = cupy_amp::narrow(-__ddiv_rn(s->lr, correction1));
-    s->bias_correction2_sqrt = cupy_amp::narrow(__dsqrt_rn(correction2));
-    s->lerp_weight = cupy_amp::narrow(__dsub_rn(1.0, s->beta1));
-    s->beta2_f = cupy_amp::narrow(s->beta2);
-    s->one_minus_beta2 = cupy_amp::narrow(__dsub_rn(1.0, s->beta2));
-    s->eps_f = cupy_amp::narrow(s->eps);
-}
-
-extern "C" __global__ void __launch_bounds__(1) cupy_amp_sgd_begin(const cupy_amp::BeginArgs args) {
-    cupy_amp::SgdState* s = reinterpret_cast<cupy_amp::SgdState*>(args.hyper);
-    if (!cupy_amp::begin(s->skip, s->factor, args)) return;
-    s->first = s->step == 0;
-    s->step += 1;
-    s->neg_lr = cupy_amp::narrow(-s->lr);
-    s->momentum_f = cupy_amp::narrow(s->momentum);
-    s->one_minus_dampening = cupy_amp::narrow(__dsub_rn(1.0, s->dampening));
-    s->weight_decay_f = cupy_amp::narrow(s->weight_decay);
-}
-
-#define CUPY_AMP_OPTIMIZER(RULE, NAME, TYPE)                                             \
+// An optimizer's element-wise entry points, one per parameter dtype (gradients have their parameter's).
+#define CUPY_AMP_OPTIMIZER_ENTRY(RULE, NAME, TYPE)                                       \
     extern "C" __global__ void __launch_bounds__(CUPY_AMP_THREADS, cupy_amp::kMinBlocks) \
         NAME(const cupy_amp::OptimizerArgs args) {                                       \
         cupy_amp::optimizer_step<cupy_amp::RULE, cupy_amp::TYPE, cupy_amp::TYPE>(args);  \
     }
-
-// Gradients have their parameter's dtype.
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float16, Half)
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_bfloat16, Bfloat)
-CUPY_AMP_OPTIMIZER(AdamWRule, cupy_amp_adamw_float32, Single)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float16, Half)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_bfloat16, Bfloat)
-CUPY_AMP_OPTIMIZER(SgdRule, cupy_amp_sgd_float32, Single)
+#define CUPY_AMP_OPTIMIZER_ENTRIES(RULE, KIND)                         \
+    CUPY_AMP_OPTIMIZER_ENTRY(RULE, cupy_amp_##KIND##_float16, Half)    \
+    CUPY_AMP_OPTIMIZER_ENTRY(RULE, cupy_amp_##KIND##_bfloat16, Bfloat) \
+    CUPY_AMP_OPTIMIZER_ENTRY(RULE, cupy_amp_##KIND##_float32, Single)
