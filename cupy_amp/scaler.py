@@ -15,7 +15,7 @@ from cupy_amp.gradients import CallCache, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
 from cupy_amp.state import Call, Snapshot, State
 from cupy_amp.state_set import StateSet
-from cupy_amp.step import INSPECTED, UNSCALED, Step
+from cupy_amp.step import OPEN, UNSCALED, Step
 
 __all__ = ["GradScaler"]
 
@@ -110,6 +110,9 @@ class GradScaler(Face):
         self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
         self._scaling = StateSet(config, state, one_device=False)
         self._guard = StateSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False, counts=False)
+        # (mirror, verdict) from before a change of the scaling states that has not been seen through: the next
+        # use of the states sets them from the mirror first (_repair).
+        self._unsure: tuple[_Mirror, tuple[bool, bool]] | None = None
 
     @classmethod
     def with_params(
@@ -130,12 +133,14 @@ class GradScaler(Face):
 
     def _place(self, lane: StateSet, backend: Any, device: int) -> State:
         """Return ``lane``'s state for arrays of ``backend`` on ``device``, placed from the mirror on first use."""
+        if lane is self._scaling:
+            self._repair()
 
         def current() -> Snapshot:
             state = self._mirror.state if lane is self._scaling else lane.all()[0].snapshot()[0]
             return Snapshot(state, *lane.verdict, 0)
 
-        return lane.place(backend, device, current, self._step.phase in (UNSCALED, INSPECTED))
+        return lane.place(backend, device, current, self._step.phase in OPEN)
 
     def scale_factor(self) -> float:
         """Return the factor ``scale_loss`` applies now: the scale, or 1.0 while disabled.
@@ -251,10 +256,12 @@ class GradScaler(Face):
                 )
             if lane.counts:  # disabled, update() only ends the step
                 self._step.require_gradients()
+                self._step.updating()
+                self._repair()
                 mirror = self._mirror
                 if mirror.step != self._step.number:  # not applied yet (a retry after an interrupt may find it was)
                     state = next_state(mirror.config, mirror.state, *lane.verdict)
-                    with self._states_follow_the_mirror(lane):
+                    with self._states_follow_the_mirror():
                         lane.update(state, self._step.number)
                         self._mirror = mirror._replace(state=state, step=self._step.number)
             else:
@@ -325,26 +332,38 @@ class GradScaler(Face):
         with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled, self._step.number)
-            with self._states_follow_the_mirror(self._scaling):
+            with self._states_follow_the_mirror():
                 overflow, local = checkpoint.found_overflow, checkpoint.found_overflow_local
                 self._scaling.restore(mirror.config, mirror.state, overflow, local)
                 self._mirror, self._step.records, self._numerics_source = mirror, (), None
 
     @contextlib.contextmanager
-    def _states_follow_the_mirror(self, lane: StateSet) -> Iterator[None]:
-        """Run a change of the states and the mirror; if it fails part way, set the states from the mirror.
+    def _states_follow_the_mirror(self) -> Iterator[None]:
+        """Run a change of the scaling states and the mirror; if it fails part way, set the states from the mirror.
 
         The mirror changes in one assignment, last: after an interrupt the
         states hold what the mirror says (the old state, or the new one if the
-        mirror was replaced), with the step's verdict as it was.
+        mirror was replaced), with the step's verdict as it was. Until they
+        are known to, every use of the states repairs them first
+        (:meth:`_repair`): a second interrupt inside the repair cannot leave
+        a device state ahead of the mirror for a later call to use.
         """
-        before, verdict = self._mirror, lane.verdict
+        self._unsure = (self._mirror, self._scaling.verdict)  # first
         try:
             yield
         except BaseException:
-            mirror = self._mirror  # replaced last: if it was, the states were already changed whole
-            lane.restore(mirror.config, mirror.state, *(verdict if mirror is before else lane.verdict))
+            self._repair()
             raise
+        self._unsure = None
+
+    def _repair(self) -> None:
+        """Set the scaling states from the mirror if a change of them may have stopped part way (synchronizes)."""
+        if self._unsure is None:
+            return
+        before, verdict = self._unsure
+        mirror = self._mirror  # replaced last: if it was, the states were already changed whole
+        self._scaling.restore(mirror.config, mirror.state, *(verdict if mirror is before else self._scaling.verdict))
+        self._unsure = None
 
     def __repr__(self) -> str:
         mirror = self._mirror

@@ -130,8 +130,8 @@ class StateSet:
             self.restore(self.config, after, *self.verdict)
 
     def capturing(self) -> bool:
-        """Return whether the states' device is capturing a CUDA graph on its current stream."""
-        return self._backend is not None and self._backend.capturing()
+        """Return whether any state's device is capturing a CUDA graph on its current stream."""
+        return any(state.capturing() for state in self.all())
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool) -> None:
         """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch."""

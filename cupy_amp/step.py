@@ -5,7 +5,8 @@ or more ``unscale_and_check`` calls on disjoint gradients or one ``check()``,
 then ``update()``. :class:`Step` owns what every step shares, whichever face
 drives it and wherever its state lives:
 
-- the phase, one variable (:data:`IDLE`, :data:`SCALED`, :data:`UNSCALED`, :data:`INSPECTED`);
+- the phase, one variable (:data:`IDLE`, :data:`SCALED`, :data:`UNSCALED`, :data:`INSPECTED`,
+  :data:`UPDATING`);
 - the call-order rules, among them that a step opens at ``scale_loss`` (unless the scale is fixed at 1:
   :func:`scale_fixed_at_one`);
 - the lock that serializes a scaler's calls, and the refusal of a call made
@@ -56,6 +57,8 @@ __all__ = ["IDLE", "INSPECTED", "SCALED", "UNSCALED", "CallRecord", "Step", "sca
 # Where a step stands: none open; the loss was scaled; gradients were unscaled; gradients were inspected by
 # check() (read, not written: the fused optimizers unscale them). update() follows either of the last two.
 IDLE, SCALED, UNSCALED, INSPECTED = "idle", "loss scaled", "gradients unscaled", "gradients inspected"
+UPDATING = "update begun"  # an update() that did not finish: it may have applied the rule; only update() goes on
+OPEN = (UNSCALED, INSPECTED, UPDATING)  # the phases of a step whose gradient part has opened
 
 _STEP = (
     "Each optimizer step is: scale_loss(loss), backward, unscale_and_check(gradients) or check(gradients), the "
@@ -152,8 +155,18 @@ class Step:
 
     # Call-order rules: each raises before anything changed.
 
+    def _refuse_while_updating(self, what: str) -> None:
+        """Refuse ``what`` after an ``update()`` that did not finish: only ``update()`` may go on from there."""
+        if self.phase == UPDATING:
+            raise ScalerProtocolError(
+                f"{what} was called after an update() that did not finish (it was interrupted or failed): it may "
+                "have applied this step's rule already, and the step's gradients were read with the step's scale. "
+                "Call update() again to end the step; it applies the rule once."
+            )
+
     def refuse_scale_loss(self) -> None:
         """Refuse ``scale_loss`` once the step's gradients were unscaled or inspected (update() was forgotten)."""
+        self._refuse_while_updating("scale_loss()")
         if self.phase in (UNSCALED, INSPECTED):
             raise ScalerProtocolError(
                 "scale_loss() was called after this step's gradients were unscaled or checked, without an update() "
@@ -162,6 +175,7 @@ class Step:
 
     def abandon(self) -> None:
         """End a step that has a scaled loss and nothing else (its backward pass failed); nothing else changes."""
+        self._refuse_while_updating("abandon_step()")
         if self.phase in (UNSCALED, INSPECTED):
             raise ScalerProtocolError(
                 f"abandon_step() was called after this step's gradients were {self.phase[len('gradients ') :]}: "
@@ -181,8 +195,9 @@ class Step:
         refused, unless ``config`` fixes the scale at 1 (:func:`scale_fixed_at_one`), where an unscaled loss
         seeds the same backward pass as a scaled one.
         """
+        name = "unscale_and_check()" if phase == UNSCALED else "check()"
+        self._refuse_while_updating(name)
         if self.phase == IDLE and not scale_fixed_at_one(config):
-            name = "unscale_and_check()" if phase == UNSCALED else "check()"
             raise ScalerProtocolError(
                 f"{name} was called in a step that had no scale_loss(): call scaler.scale_loss(loss) before the "
                 "backward pass, so that the backward pass is seeded with the scale. Gradients of a backward pass "
@@ -208,7 +223,7 @@ class Step:
 
     def require_gradients(self) -> None:
         """Refuse ``update()`` when no gradient call came since the last ``update()``."""
-        if self.phase not in (UNSCALED, INSPECTED):
+        if self.phase not in OPEN:
             raise ScalerProtocolError(
                 f"update() was called without an unscale_and_check() or check() since the previous update(). {_STEP} "
                 "With gradient accumulation, check the gradients and call update() once per optimizer step, after "
@@ -218,9 +233,11 @@ class Step:
     def require_idle(self, what: str) -> None:
         """Refuse ``what`` while a step is open."""
         if self.phase != IDLE:
-            done = "scale_loss()" if self.phase == SCALED else "unscale_and_check() or check()"
+            done = {SCALED: "scale_loss() was called", UPDATING: "an update() did not finish"}.get(
+                self.phase, "unscale_and_check() or check() was called"
+            )
             raise ScalerProtocolError(
-                f"{what} in the middle of a step ({done} was called and update() was not yet): the step's loss "
+                f"{what} in the middle of a step ({done} and update() was not yet): the step's loss "
                 f"and gradients use the current scale. Call it before scale_loss() or after update()"
                 + (" (after a failed backward pass, abandon_step() drops the step)." if self.phase == SCALED else ".")
             )
@@ -395,13 +412,27 @@ class Step:
         """Count a failed call as this rank's overflow of the step, opening the step if it was not.
 
         Each part is done even if one before it raises (a broken device): the
-        step is open, counts as an overflow on the host, and says "skip".
+        step is open, counts as an overflow on the host, and says "skip". An
+        opening cut short (the call's own, then this one's) is tried once more,
+        so the states begin the step; if that fails too, the step opens on the
+        host alone.
         """
         try:
-            if self.phase != scope.phase:
-                self._open(scope.phase, scope.states, StepClaims())
+            try:
+                if self.phase != scope.phase:
+                    self._open(scope.phase, scope.states, StepClaims())
+            finally:
+                if self.phase != scope.phase:
+                    self._open(scope.phase, scope.states, StepClaims())
         finally:
-            self.phase = scope.phase
+            if self.phase != scope.phase:  # in one statement, as _open would (a number may be skipped)
+                fresh = scope.states.counts  # a disabled scaler's guard keeps the last step's records
+                self.number, self.phase, self.records, self.claims = (
+                    self.number + 1,
+                    scope.phase,
+                    () if fresh else self.records,
+                    StepClaims() if fresh else self.claims,
+                )
             try:
                 if scope.states.counts and not scope.recorded:
                     call = scope.call
@@ -412,6 +443,10 @@ class Step:
             finally:
                 if scope.phase == INSPECTED:
                     scope.states.skip_all()
+
+    def updating(self) -> None:
+        """Enter the phase of a begun ``update()`` (after :meth:`require_gradients`), before it changes anything."""
+        self.phase = UPDATING
 
     def close(self) -> None:
         """End the step (after ``update()`` applied the rule), in one assignment."""

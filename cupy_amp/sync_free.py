@@ -17,7 +17,7 @@ from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
 from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
 from cupy_amp.state_set import StateSet, where
-from cupy_amp.step import INSPECTED, UNSCALED, CallRecord, Step
+from cupy_amp.step import OPEN, UNSCALED, CallRecord, Step
 
 __all__ = ["SyncFreeGradScaler"]
 
@@ -101,7 +101,7 @@ class SyncFreeGradScaler(Face):
         return self._states
 
     def _place(self, lane: StateSet, backend: Any, device: int) -> State:
-        step_open = self._step.phase in (UNSCALED, INSPECTED)
+        step_open = self._step.phase in OPEN
         return lane.place(backend, device, lambda: Snapshot(*self._state.snapshot()[:4]), step_open)
 
     def _snapshot(self) -> tuple[ScalerState, bool, bool, int]:
@@ -182,6 +182,7 @@ class SyncFreeGradScaler(Face):
 
         with self._step.lock.turn, self._step.admit():
             self._step.require_gradients()
+            self._step.updating()
             self._state.update()
             self._step.close()
 

@@ -55,6 +55,7 @@ LAYOUT_FIXED = True
 
 _VOTE_OFFSET = STATE.fields["vote_count"][1]  # type: ignore[index]  # the pair unscale_and_check sums
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
+_BAD_VOTES_OFFSET = STATE.fields["bad_votes"][1]  # type: ignore[index]
 
 
 def as_array(obj: Any) -> Any | None:
@@ -171,7 +172,7 @@ class DeviceState:
         # u64 per tensor, the epoch of this state's last launch that saw inf/nan in it. Tables are shared by
         # every scaler over the same memory; flags kept there would be another scaler's to overwrite.
         self._culprit_flags: dict[int, tuple[weakref.ref[cupy.ndarray], cupy.ndarray]] = {}
-        self._reported = 0  # the device's count of impossible all-reduce answers that new_bad_votes() handed out
+        self._reported = 0  # how many of the device's impossible all-reduce answers new_bad_votes() handed out
         self._begun = False  # the open step was begun by the last update()'s own launch (the synchronous face)
         self.restore(config, state, overflow, local, epoch)
 
@@ -187,6 +188,11 @@ class DeviceState:
             stream = cupy.cuda.get_current_stream()
             self.order.write(stream)
         return stream
+
+    def capturing(self) -> bool:
+        """Return whether the current stream of the state's device is capturing a CUDA graph."""
+        with _on_device(self.device):
+            return capturing()
 
     def _launch(self, entry: str) -> None:
         with _on_device(self.device):
@@ -214,8 +220,9 @@ class DeviceState:
     def new_bad_votes(self, counted: int) -> int:
         """Return how many of the ``counted`` impossible answers (a read's count) were not handed out yet.
 
-        The count and what was handed out of it live here together, so a
-        :meth:`restore` (which zeroes the device's count) resets both.
+        The count and what was handed out of it live here together, and a
+        :meth:`restore` keeps both (a face that kept its own tally missed new
+        answers after a restore zeroed the count).
         """
         new, self._reported = max(counted - self._reported, 0), max(counted, self._reported)
         return new
@@ -255,11 +262,12 @@ class DeviceState:
         record["finite"] = not overflow
         record["stats"] = self.stats.address
         self.stats.record.closed()
-        # First: after an interrupt before the write, the next step begins again (harmless) and the old count is
-        # reported again (loud); never a count that hides new answers, or a step begun by no launch.
-        self._reported, self._begun = 0, False
+        self._begun = False  # first: after an interrupt before the write, the next step only begins again
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
+            # The count of impossible answers stays: it is the communicator's history, not the scaler's state,
+            # and what new_bad_votes() handed out of it stays true at every line here.
+            record["bad_votes"] = self._memory[_BAD_VOTES_OFFSET : _BAD_VOTES_OFFSET + 8].view(np.uint64).get()[0]
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             self.stats.skip.fill(1)  # a restored state's record says "skip" until a check() completes
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary

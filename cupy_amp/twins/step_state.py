@@ -173,6 +173,10 @@ class HostState:
     def follow(self) -> None:
         """Nothing to order on the host."""
 
+    def capturing(self) -> bool:
+        """The host records no CUDA graphs."""
+        return False
+
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
         """The host knows every call's culprits at once (the step keeps them): nothing to read."""
         return ()

@@ -8,6 +8,7 @@ optimizer on another stream had not read yet, and a garbage sum of squares from 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -18,9 +19,10 @@ from interrupts import interrupted
 cupy = pytest.importorskip("cupy")
 
 from cupy_amp import CommunicatorError, GradScaler, ScalerProtocolError, SyncFreeGradScaler  # noqa: E402
+from cupy_amp.gpu.backend import DeviceState  # noqa: E402
 from cupy_amp.optim import SGD  # noqa: E402
 from cupy_amp.state_set import StateSet  # noqa: E402
-from cupy_amp.step import IDLE  # noqa: E402
+from cupy_amp.step import IDLE, UPDATING, Step  # noqa: E402
 
 FACES = [GradScaler, SyncFreeGradScaler]
 
@@ -84,9 +86,10 @@ def assert_next_steps_see_their_own_verdicts(scaler: Any, bad: bool, where: str)
         assert device_state(scaler).snapshot()[0] == scaler._mirror.state, where
 
 
+@pytest.mark.parametrize("then", ["update", "another call"])
 @pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
 def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_once(
-    bad: bool, monkeypatch: pytest.MonkeyPatch
+    bad: bool, then: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # The GPU twin of tests/step/test_step_interrupts.py's test of the same name: a Ctrl-C at line k of
     # update() and a second one at line j of its repair (the states set from the host mirror). The retry must
@@ -123,6 +126,14 @@ def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_o
             if scaler._step.phase != IDLE:
                 with monkeypatch.context() as plain:
                     plain.setattr(StateSet, "restore", original)
+                    if then == "another call":  # refused once update() began: it may have applied the rule
+                        more = [cupy.full(3, 8.0, cupy.float32)]
+                        if scaler._step.phase == UPDATING:
+                            with pytest.raises(ScalerProtocolError, match="did not finish"):
+                                scaler.unscale_and_check(more)
+                        else:
+                            assert bool(scaler.unscale_and_check(more)) is not bad, where
+                            assert more[0].tolist() == [2.0] * 3, f"{where}: divided by another scale"
                     scaler.update()  # the user's retry
             on_device = device_state(scaler).snapshot()[0]
             assert (on_device.steps, on_device.scale) == (1, expected), f"{where}: the rule applied twice"
@@ -135,6 +146,78 @@ def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_o
             break
         k += 1
     assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
+
+
+def test_a_step_whose_opening_was_cut_short_twice_after_a_folded_update_starts_clean_next(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # update() began step 2 in its own launch; step 2's opening was then cut short in the call and again in
+    # its failure accounting. The step still opened (a new number), counted its overflow, and step 3 begins
+    # from "finite": before, the host thought step 3 already begun and it inherited step 2's flag.
+    scaler = GradScaler(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
+    open_step(scaler, cupy).unscale_and_check([cupy.full(3, 8.0, cupy.float32)])
+    scaler.update()  # 8
+    original, cuts = Step._open, [2]
+
+    def cut_short(self: Step, *args: Any) -> None:
+        if cuts[0]:
+            cuts[0] -= 1
+            raise KeyboardInterrupt
+        original(self, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Step, "_open", cut_short)
+        scaler.scale_loss(cupy.ones((), cupy.float32))
+        with pytest.raises(KeyboardInterrupt):
+            scaler.unscale_and_check([cupy.full(3, 8.0, cupy.float32)])
+    scaler.update()  # step 2: an overflow (its call failed), backs off to 4
+    assert (scaler.stats().steps, scaler.stats().skipped_steps, scaler.scale_factor()) == (2, 1, 4.0)
+    scaler.scale_loss(cupy.ones((), cupy.float32))
+    assert scaler.unscale_and_check([cupy.full(3, 8.0, cupy.float32)]) is True
+    assert scaler.nonfinite_gradients() == []
+    scaler.update()
+    assert device_state(scaler).snapshot()[0] == scaler._mirror.state and scaler.scale_factor() == 8.0
+
+
+def test_a_restore_interrupted_at_any_line_never_reports_old_impossible_answers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Two impossible answers reported; then a load whose restore, and its repair's, are interrupted at line k.
+    # The count of reported answers must stay true at every k: an old answer reported again in a clean step
+    # fails that step after the ranks agreed to apply it, which poisons every rank.
+    original, k, landed = DeviceState.restore, 1, True
+    while landed:
+        others = OtherRanks(0.5, 0.0)  # impossible answers until set honest
+        scaler = GradScaler(init_scale=4.0, comm=others)
+        saved = scaler.checkpoint()
+        for _ in range(2):
+            open_step(scaler, cupy)
+            with pytest.raises(CommunicatorError, match="impossible"):
+                scaler.unscale_and_check([cupy.ones(4, cupy.float32)])
+            scaler.update()
+        others.others = (0.0, 0.0)
+        landed = False
+
+        def cut(self: DeviceState, *args: Any, line: int = k) -> None:
+            nonlocal landed
+            if interrupted(lambda: original(self, *args), line):
+                landed = True
+                raise KeyboardInterrupt
+
+        with monkeypatch.context() as patched:
+            patched.setattr(DeviceState, "restore", cut)
+            with contextlib.suppress(KeyboardInterrupt):
+                scaler.load_checkpoint(saved)
+        open_step(scaler, cupy)
+        assert scaler.unscale_and_check([cupy.ones(4, cupy.float32)]) is True, f"line {k}"
+        scaler.update()
+        others.others = (0.5, 0.0)
+        open_step(scaler, cupy)
+        with pytest.raises(CommunicatorError, match=r"^1 all-reduce"):  # a new one is reported, once
+            scaler.unscale_and_check([cupy.ones(4, cupy.float32)])
+        scaler.update()
+        k += 1
+    assert k > 10
 
 
 def test_update_refuses_a_capture_and_changes_nothing() -> None:

@@ -35,7 +35,7 @@ from interrupts import interrupted, saves_refused_after_real_interrupts
 from cupy_amp import DuplicateGradientError, GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
 from cupy_amp.distributed import POISON
 from cupy_amp.state_set import StateSet
-from cupy_amp.step import IDLE, INSPECTED, UNSCALED
+from cupy_amp.step import IDLE, INSPECTED, UNSCALED, UPDATING, Step
 
 FACES = [GradScaler, SyncFreeGradScaler]
 SCALE = 4.0
@@ -201,15 +201,17 @@ def test_update_interrupted_at_any_line_applies_the_rule_once(face: type, bad: b
     sweep(attempt)
 
 
+@pytest.mark.parametrize("then", ["update", "another call"])
 @pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
 def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
-    bad: bool, monkeypatch: pytest.MonkeyPatch
+    bad: bool, then: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A second Ctrl-C while update() repairs the first (it sets the states from the host mirror): for every
-    # line k of update() and every line j of that repair, the user's retry applies the rule once, and the
-    # state the next kernels read is the mirror's. Here on the NumPy state; a device state must pass the
-    # same (a fold of the next step's begin into the device's update did not: its retry applied the rule
-    # twice on the device).
+    # line k of update() and every line j of that repair, whatever the user does next (retry update(), or
+    # first unscale more gradients of the still open step), the rule is applied once, the gradients are
+    # divided by the scale the loss was multiplied by, and the state the next kernels read is the mirror's.
+    # Here on the NumPy state; tests/gpu/test_lifetimes_gpu.py runs the same on a device state. Before, a
+    # state left ahead of the mirror unscaled the next call's gradients with the next step's scale.
     original = StateSet.restore
     second_line, second_landed = 0, False
 
@@ -238,16 +240,90 @@ def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
             if scaler._step.phase != IDLE:
                 with monkeypatch.context() as plain:
                     plain.setattr(StateSet, "restore", original)
+                    if then == "another call":
+                        more = [np.full(3, CLEAN, np.float32)]
+                        if scaler._step.phase == UPDATING:  # the rule may have been applied: only update() goes on
+                            with pytest.raises(ScalerProtocolError, match="update\\(\\) that did not finish"):
+                                scaler.unscale_and_check(more)
+                            assert more[0].tolist() == [CLEAN] * 3, where
+                        else:
+                            assert bool(scaler.unscale_and_check(more)) is not bad, where
+                            assert more[0].tolist() == [ONCE] * 3, f"{where}: divided by another scale"
                     scaler.update()  # the user's retry
             stats = scaler.stats()
             assert (stats.steps, stats.skipped_steps) == (1, int(bad)), where
             assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), where
             assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state, where  # what kernels read
+            scaler.scale_loss(np.ones((), np.float32))
+            assert bool(scaler.unscale_and_check(gradients(False))), f"{where}: the next step is not clean"
             second_line += 1
         if not first_landed:
             break
         k += 1
     assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_gradient_call_interrupted_in_both_openings_of_its_step_still_opens_a_new_step(
+    face: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The step's opening cut short twice, at its first line: in the call, and again in the failure
+    # accounting that opens it for the call. The step was left open under the last step's number, so
+    # update() found its rule applied already and the overflow the call counted was lost.
+    scaler, _ = new_scaler(face, False)
+    open_step(scaler, np).unscale_and_check(gradients(False))
+    scaler.update()
+    original, cuts = Step._open, [2]
+
+    def cut_short(self: Step, *args: Any) -> None:
+        if cuts[0]:
+            cuts[0] -= 1
+            raise KeyboardInterrupt  # at _open's first line
+        original(self, *args)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(Step, "_open", cut_short)
+        scaler.scale_loss(np.ones((), np.float32))
+        with pytest.raises(KeyboardInterrupt):
+            scaler.unscale_and_check(gradients(False))
+    assert cuts == [0] and scaler.is_step_open()
+    assert scaler.nonfinite_gradients() == []  # the last step's records are not this one's
+    scaler.update()
+    stats = scaler.stats()
+    assert (stats.steps, stats.skipped_steps, scaler.scale_factor()) == (2, 1, SCALE)
+    scaler.scale_loss(np.ones((), np.float32))
+    assert bool(scaler.unscale_and_check(gradients(False)))
+
+
+def test_load_checkpoint_interrupted_again_inside_its_repair_leaves_the_old_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The load wrote the states and was interrupted; the repair (the states set back from the mirror) was
+    # interrupted before it wrote. The next use of the states repairs them first: they never hold the
+    # checkpoint's scale while the mirror holds the old one.
+    scaler, _ = new_scaler(GradScaler, False)
+    open_step(scaler, np).unscale_and_check(gradients(False))
+    scaler.update()  # scale 8
+    other = GradScaler(init_scale=2.0**10).checkpoint()
+    original, calls = StateSet.restore, [0]
+
+    def load_then_cut_repair(self: StateSet, *args: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 1:
+            original(self, *args)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched:
+        patched.setattr(StateSet, "restore", load_then_cut_repair)
+        with pytest.raises(KeyboardInterrupt):
+            scaler.load_checkpoint(other)
+    assert calls == [2] and scaler.scale_factor() == 2 * SCALE  # the mirror kept the old state
+    loss, grads = np.ones((), np.float32), [np.full(3, 16.0, np.float32)]
+    scaler.scale_loss(loss)
+    assert float(loss) == 2 * SCALE, "the loss was scaled by the checkpoint's scale"
+    assert bool(scaler.unscale_and_check(grads)) and grads[0].tolist() == [2.0] * 3
+    scaler.update()
+    assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state
 
 
 @pytest.mark.parametrize("face", FACES)
