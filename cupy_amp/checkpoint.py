@@ -9,6 +9,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+from cupy_amp import journal as step_journal
 from cupy_amp._fileio import file_path, read_regular_file, write_file_atomic
 from cupy_amp.checkpoint_file import (
     FILE_PREFIX,
@@ -71,6 +74,8 @@ class GradScalerCheckpoint:
     growths: int
     backoffs: int
     remote_skipped_steps: int
+    journal: bytes = b""  # the step journal's entries (cupy_amp.journal), oldest first
+    journal_names: tuple[tuple[str, ...], ...] = ()  # the last step's gradient names, call by call
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -103,6 +108,11 @@ class GradScalerCheckpoint:
         _at_most("growths", self.growths, "steps - skipped_steps", self.steps - self.skipped_steps)
         _at_most("backoffs", self.backoffs, "skipped_steps", self.skipped_steps)
         _at_most("remote_skipped_steps", self.remote_skipped_steps, "skipped_steps", self.skipped_steps)
+        if not isinstance(self.journal, (bytes, bytearray)):
+            raise CheckpointFieldError(f"Invalid 'journal': expected bytes, got {type(self.journal).__name__}.")
+        set_field(self, "journal", bytes(self.journal))
+        step_journal.from_bytes(self.journal, self.steps)  # raises on entries no scaler of these steps writes
+        set_field(self, "journal_names", step_journal.expect_names(CheckpointFieldError, self.journal_names))
 
     @classmethod
     def capture(
@@ -113,15 +123,25 @@ class GradScalerCheckpoint:
         enabled: bool,
         found_overflow: bool,
         found_overflow_local: bool,
+        entries: np.ndarray | None = None,
+        names: Any = (),
     ) -> GradScalerCheckpoint:
-        """Build a checkpoint from a scaler's config, state and step flags (the inverse of config() and state())."""
+        """Build a checkpoint from a scaler's config, state and step flags (the inverse of config() and state()),
+        with its journal's ``entries`` and the last step's gradient ``names`` (kept as :func:`cupy_amp.journal.names`
+        bounds them)."""
         return cls(
             **dataclasses.asdict(config),
             **{field.name: getattr(state, field.name) for field in dataclasses.fields(state)},
             enabled=enabled,
             found_overflow=found_overflow,
             found_overflow_local=found_overflow_local,
+            journal=b"" if entries is None else step_journal.to_bytes(entries),
+            journal_names=step_journal.names(names),
         )
+
+    def journal_entries(self) -> np.ndarray:
+        """Return the step journal's entries, oldest first, as a NumPy structured array (:data:`cupy_amp.journal.ENTRY`)."""
+        return step_journal.from_bytes(self.journal, self.steps)
 
     def config(self) -> ScalerConfig:
         """Return the scaler configuration this checkpoint carries."""
@@ -138,14 +158,17 @@ class GradScalerCheckpoint:
 
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> GradScalerCheckpoint:
-        """Build a checkpoint from a mapping holding exactly the checkpoint's fields.
+        """Build a checkpoint from a mapping holding exactly the checkpoint's fields (``journal`` and
+        ``journal_names`` may be left out: no journal).
 
         Raises:
             CheckpointFieldError: A field is missing or unknown, or a value is invalid.
         """
         names = [field.name for field in dataclasses.fields(cls)]
-        expect_exactly(fields, names, "Invalid checkpoint", "field")
-        return cls(**{name: fields[name] for name in names})
+        optional = ("journal", "journal_names")  # a dict of an older version's fields: no journal
+        present = [name for name in names if name not in optional or name in fields] if isinstance(fields, Mapping) else names
+        expect_exactly(fields, present, "Invalid checkpoint", "field")
+        return cls(**{name: fields[name] for name in present})
 
     def to_torch_state_dict(self) -> dict[str, float | int]:
         """Return the five keys of ``torch.amp.GradScaler.state_dict()``.
@@ -216,7 +239,9 @@ class GradScalerCheckpoint:
 
         Every float is stored as a float64, so the scale round-trips bit for bit.
         """
-        return encode(self.to_dict())
+        fields = self.to_dict()
+        fields["journal_names"] = [list(call) for call in self.journal_names]  # msgpack's arrays are lists
+        return encode(fields)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> GradScalerCheckpoint:

@@ -4,7 +4,8 @@ A file (format version 2) is one msgpack map with exactly four entries, in this 
 
     "format"  -> "cupy-amp.grad-scaler"
     "version" -> 2                      (an int; never a bool)
-    "payload" -> {field name: value}    (nil, bool, int or float64 values)
+    "payload" -> {field name: value}    (nil, bool, int or float64 values; from version 3, the journal's
+                                         bin and its array of arrays of names)
     "crc32"   -> CRC-32 of every byte before this value, as a msgpack uint32
 
 so a file always ends with ``0xCE`` and the four big-endian bytes of the
@@ -28,6 +29,11 @@ Versions:
    skipped steps whose overflow was on another rank only). A version-1 payload
    must hold exactly the version-1 fields; it is upgraded with
    ``found_overflow_local = found_overflow`` and ``remote_skipped_steps = 0``.
+3. Adds ``journal`` (a bin: the step journal's entries, oldest first, each
+   :data:`cupy_amp.journal.ENTRY`'s little-endian bytes) and ``journal_names``
+   (an array with one array per gradient call of the last step, of each
+   gradient's name as a string; empty when not kept), both last. A version-2
+   payload is upgraded with an empty journal and no names.
 """
 
 from __future__ import annotations
@@ -43,15 +49,19 @@ from cupy_amp.errors import ArgumentTypeError, CheckpointCorruptError, Checkpoin
 __all__ = ["FILE_PREFIX", "FORMAT_NAME", "FORMAT_VERSION", "MAX_CHECKPOINT_BYTES", "decode", "encode", "expect_exactly"]
 
 FORMAT_NAME = "cupy-amp.grad-scaler"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 MAX_CHECKPOINT_BYTES = 1 << 20
 
 # Every file starts with these bytes: a map of 4 entries whose first is "format": FORMAT_NAME.
 FILE_PREFIX = b"\x84" + msgpack.packb("format") + msgpack.packb(FORMAT_NAME)
 _TRAILER = 5  # 0xCE, msgpack's uint32 marker, then the CRC-32
-# Versions 1 and 2 hold fewer than 20 scalar fields; a little room is left so that a value
-# of the wrong kind is reported by field name rather than as unreadable bytes.
-_LIMITS = {"max_str_len": 256, "max_bin_len": 256, "max_array_len": 16, "max_map_len": 32, "max_ext_len": 0}
+# Fewer than 20 scalar fields, a journal of at most 16384 entries of 40 bytes, and at most 4096 names of
+# at most 128 characters (cupy_amp.journal); a little room is left so that a value of the wrong kind is
+# reported by field name rather than as unreadable bytes.
+_LIMITS = {
+    "max_str_len": 256, "max_bin_len": 16384 * 40, "max_array_len": 4096, "max_map_len": 32, "max_ext_len": 0,
+}  # fmt: skip
+_NESTED = ("journal", "journal_names")  # the fields that are not scalars (judged by GradScalerCheckpoint)
 
 
 def encode(fields: dict[str, Any]) -> bytes:
@@ -114,7 +124,7 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[int, dict[str, object]
     if type(fields) is not dict:
         raise CheckpointCorruptError(f"Invalid 'payload': expected a msgpack map of fields, got {_describe(fields)}.")
     for name, value in fields.items():
-        if not isinstance(value, (type(None), bool, int, float, str)):
+        if name not in _NESTED and not isinstance(value, (type(None), bool, int, float, str)):
             raise CheckpointFieldError(
                 f"Invalid {name!r}: expected nil, a bool, an int or a float, got {_describe(value)}."
             )
@@ -206,9 +216,16 @@ def _upgrade_v1(fields: dict[str, object]) -> dict[str, object]:
     return upgraded
 
 
+def _upgrade_v2(fields: dict[str, object]) -> dict[str, object]:
+    """Return the version-3 fields of a version-2 payload: no journal and no names (its fields are judged later)."""
+    if any(name in fields for name in _NESTED):
+        raise CheckpointFieldError(f"Invalid checkpoint: unknown field(s) {', '.join(map(repr, _NESTED))} for format version 2.")
+    return {**fields, "journal": b"", "journal_names": []}
+
+
 # _MIGRATIONS[v] turns version v's payload into version v + 1's (a new dict). A change to the
 # fields means FORMAT_VERSION + 1 and an entry here, never an edit of what an earlier version means.
-_MIGRATIONS: dict[int, Callable[[dict[str, object]], dict[str, object]]] = {1: _upgrade_v1}
+_MIGRATIONS: dict[int, Callable[[dict[str, object]], dict[str, object]]] = {1: _upgrade_v1, 2: _upgrade_v2}
 
 
 def expect_exactly(fields: Any, names: tuple[str, ...] | list[str], what: str, kind: str, version: str = "") -> None:

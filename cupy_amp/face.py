@@ -5,6 +5,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+import numpy as np
+
+from cupy_amp import journal as step_journal
 from cupy_amp.checkpoint import GradScalerCheckpoint
 from cupy_amp.distributed import Communicator
 from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
@@ -57,6 +60,7 @@ class Face:
     """
 
     _numerics_source: NumericsSource | None = None  # the last check(report=True), replaced in one assignment
+    _loaded_names: tuple[tuple[str, ...], ...] = ()  # what a loaded checkpoint's journal names, until a step runs
     _step: Step
     _communicator: Communicator | None
     _cache: CallCache
@@ -86,6 +90,44 @@ class Face:
     def _resumable(self) -> tuple[ScalerConfig, ScalerState, bool, bool, bool]:
         """(configuration, state, enabled, the last step's overflow, this rank's own), for ``checkpoint()``."""
         raise NotImplementedError
+
+    def _journaled(self) -> StateSet:
+        """The states whose journal is the scaler's (set right first, where a change of them may have stopped)."""
+        raise NotImplementedError
+
+    def journal(self) -> np.ndarray:
+        """Return the step journal: what the last steps did and why, oldest first (reads the state: on the GPU,
+        synchronizes).
+
+        A NumPy structured array of :data:`cupy_amp.journal.ENTRY`, one entry
+        per step the rule closed, up to the scaler's ``journal`` steps: the
+        step's number, the scale it used and the one it left, this rank's
+        verdict and the agreed one (``agreed``: the step was skipped), what the
+        rule did (``action``, named in :data:`cupy_amp.journal.ACTIONS`), how
+        many gradients held inf/nan here and the first of them
+        (``culprit_call``, ``culprit``: see :meth:`journal_names`), and
+        ``check()``'s norm and clip coefficient (NaN without ``check()``).
+        Written on the device by the rule's own launch: keeping it costs no
+        synchronization and is captured with a CUDA graph. Saved in
+        ``checkpoint()``.
+        """
+        with self._step.lock.turn, self._step.admit():
+            return self._journaled().journal()
+
+    def journal_names(self) -> tuple[tuple[str, ...], ...]:
+        """Return the names the journal's culprits refer to: for each gradient call of the latest step, in
+        order, its gradients' positions or keys as strings (``journal_names()[culprit_call][culprit]``).
+
+        Empty when that step passed more than :data:`cupy_amp.journal.MAX_NAMES`
+        gradients; each name is cut to :data:`cupy_amp.journal.MAX_NAME_LENGTH` characters. After
+        ``load_checkpoint``, the checkpoint's until the next step. Never synchronizes.
+        """
+        with self._step.lock.turn, self._step.admit():
+            return self._names()
+
+    def _names(self) -> tuple[tuple[str, ...], ...]:
+        records = self._step.records
+        return step_journal.names(record.labels for record in records) if records else self._loaded_names
 
     if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any attribute name
 
@@ -246,10 +288,12 @@ class Face:
         """
         with self._step.lock.turn, self._step.admit():
             self._step.require_idle("checkpoint() cannot capture a resumable state")
+            journaled = self._journaled()
             config, state, enabled, overflow, local = self._resumable()
             return GradScalerCheckpoint.capture(
-                config, state, enabled=enabled, found_overflow=overflow, found_overflow_local=local
-            )
+                config, state, enabled=enabled, found_overflow=overflow, found_overflow_local=local,
+                entries=journaled.journal() if journaled.capacity else None, names=self._names(),
+            )  # fmt: skip
 
     def nonfinite_gradients(self) -> list[Hashable]:
         raise NotImplementedError

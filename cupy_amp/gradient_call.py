@@ -31,7 +31,8 @@ class GradientScope:
     """
 
     __slots__ = (
-        "ballot", "call", "culprits", "finished", "max_norm", "opened", "phase", "recorded", "state", "states",
+        "ballot", "call", "culprits", "finished", "max_norm", "number", "opened", "phase", "recorded", "state",
+        "states",
     )  # fmt: skip
 
     def __init__(self, phase: str, states: StateSet, ballot: Ballot) -> None:
@@ -41,11 +42,12 @@ class GradientScope:
         self.opened = self.finished = self.recorded = False
         self.culprits: tuple[int, ...] | None = ()
         self.max_norm = 0.0
+        self.number = 0  # the call's number in its step (the records before it), for the journal
 
 
 def unscale_call(call: Call, state: State, scope: GradientScope) -> tuple[int, ...] | None:
     """Queue the unscale of a committed call, then (with a communicator) its vote and the verdict's combination."""
-    culprits = state.unscale(call) if call.backend is not None else ()
+    culprits = state.unscale(call, scope.number) if call.backend is not None else ()
     if scope.ballot.communicator is not None:
         state.vote(scope.ballot)
         state.finish_vote(False, 0.0)
@@ -62,7 +64,7 @@ def check_call(call: Call, state: State, scope: GradientScope, report: bool = Fa
     step's all-reduce left there (the other ranks' sums and overflow count).
     """
     voting = scope.ballot.communicator is not None
-    culprits = state.check(call, scope.max_norm, voting, report)
+    culprits = state.check(call, scope.max_norm, voting, report, scope.number)
     if voting:
         state.vote_sums(scope.ballot)
         state.finish_vote(True, scope.max_norm)

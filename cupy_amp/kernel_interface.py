@@ -30,6 +30,7 @@ __all__ = [
     "CHUNK_BYTES",
     "ENTRIES",
     "FINISH_ARGS",
+    "JOURNAL_ENTRY",
     "KERNEL_FILES",
     "MAX_NDIM",
     "OPTIMIZER_ARGS",
@@ -61,7 +62,15 @@ CHUNK = np.dtype(
     [("address", "<u8"), ("first", "<i8"), ("last", "<i8"), ("tensor", "<i4"), ("layout", "<i4")], align=True
 )
 UNSCALE_ARGS = np.dtype(
-    [("chunks", "<u8"), ("layouts", "<u8"), ("chunk_count", "<i8"), ("tensor_found", "<u8"), ("state", "<u8")],
+    [
+        ("chunks", "<u8"),
+        ("layouts", "<u8"),
+        ("chunk_count", "<i8"),
+        ("tensor_found", "<u8"),
+        ("state", "<u8"),
+        ("positions", "<u8"),
+        ("call", "<u8"),
+    ],
     align=True,
 )
 SCALE_ARGS = np.dtype(
@@ -88,13 +97,34 @@ STATE = np.dtype(
         ("bad_votes", "<u8"),
         ("bad_vote_epoch", "<u8"),
         ("stats", "<u8"),
+        ("journal", "<u8"),
+        ("journal_capacity", "<u8"),
+        ("first_culprit", "<u8"),
+        ("checked_epoch", "<u8"),
         ("vote_count", "<f8"),
         ("vote_sum", "<f8"),
         ("scale", "<f4"),
         ("found", "<i4"),
         ("agreed", "<i4"),
         ("poisoned", "<i4"),
+        ("culprits", "<i4"),
         ("finite", "u1"),
+    ],
+    align=True,
+)
+JOURNAL_ENTRY = np.dtype(
+    [
+        ("step", "<u8"),
+        ("scale", "<f4"),
+        ("next_scale", "<f4"),
+        ("norm", "<f4"),
+        ("clip_coefficient", "<f4"),
+        ("culprits", "<i4"),
+        ("culprit_call", "<i4"),
+        ("culprit", "<i4"),
+        ("local", "u1"),
+        ("agreed", "u1"),
+        ("action", "u1"),
     ],
     align=True,
 )
@@ -123,6 +153,8 @@ STATS_ARGS = np.dtype(
         ("tensor_found", "<u8"),
         ("state", "<u8"),
         ("report", "<u8"),
+        ("positions", "<u8"),
+        ("call", "<u8"),
     ],
     align=True,
 )
@@ -196,6 +228,7 @@ STRUCTS = {
     "cupy_amp::UnscaleArgs": UNSCALE_ARGS,
     "cupy_amp::ScaleArgs": SCALE_ARGS,
     "cupy_amp::State": STATE,
+    "cupy_amp::JournalEntry": JOURNAL_ENTRY,
     "cupy_amp::StateArgs": STATE_ARGS,
     "cupy_amp::UpdateArgs": UPDATE_ARGS,
     "cupy_amp::Stats": STATS,

@@ -61,10 +61,10 @@ def refuse_capture(what: str) -> None:
 
 
 def new_state(
-    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, capacity: int = 0
 ) -> HostState:
-    """Return a host state (``device`` is -1)."""
-    return HostState(config, state, overflow, local, epoch)
+    """Return a host state (``device`` is -1) with a journal of ``capacity`` steps."""
+    return HostState(config, state, overflow, local, epoch, capacity)
 
 
 def prepare(arrays: Sequence[np.ndarray]) -> None:

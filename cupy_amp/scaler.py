@@ -6,6 +6,9 @@ import contextlib
 from collections.abc import Hashable, Iterator
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from cupy_amp import journal as step_journal
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ConfigError, ScalerProtocolError
@@ -85,6 +88,9 @@ class GradScaler(Face):
             refused alike on every rank and joins nothing. A call interrupted
             inside its all-reduce poisons the scaler on every rank
             (:mod:`cupy_amp.distributed`).
+        journal: Steps the step journal keeps (:meth:`journal`), an int from 0 (none) to
+            :data:`cupy_amp.journal.MAX_CAPACITY`. Steps whose gradients were on several devices
+            of one process are left out of it (each device's state saw only its own arrays).
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -101,6 +107,7 @@ class GradScaler(Face):
         max_scale: float | None = 2.0**24,
         hysteresis: int = 1,
         comm: Any = None,
+        journal: int = step_journal.DEFAULT_CAPACITY,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
         state = initial_state(config, init_scale)
@@ -108,11 +115,13 @@ class GradScaler(Face):
         self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
-        self._scaling = StateSet(config, state, one_device=False)
+        capacity = step_journal.expect_capacity(journal)
+        self._scaling = StateSet(config, state, one_device=False, journal=capacity)
         self._guard = StateSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False, counts=False)
-        # (mirror, verdict) from before a change of the scaling states that has not been seen through: the next
-        # use of the states sets them from the mirror first (_repair).
-        self._unsure: tuple[_Mirror, tuple[bool, bool]] | None = None
+        # (mirror, verdict, journals) from before a change of the scaling states that has not been seen through:
+        # the next use of the states sets them from the mirror first (_repair); a load's journals (the old, the
+        # new) go with the mirror that was kept.
+        self._unsure: tuple[_Mirror, tuple[bool, bool], tuple[np.ndarray, np.ndarray] | None] | None = None
 
     @classmethod
     def with_params(
@@ -321,6 +330,10 @@ class GradScaler(Face):
         mirror = self._mirror
         return mirror.config, mirror.state, mirror.enabled, *self._scaling.verdict
 
+    def _journaled(self) -> StateSet:
+        self._repair()
+        return self._scaling
+
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's.
 
@@ -332,13 +345,18 @@ class GradScaler(Face):
         with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             mirror = _Mirror(checkpoint.config(), checkpoint.state(), checkpoint.enabled, self._step.number)
-            with self._states_follow_the_mirror():
+            journals = (self._journaled().journal(), checkpoint.journal_entries()) if self._scaling.capacity else None
+            with self._states_follow_the_mirror(journals):
                 overflow, local = checkpoint.found_overflow, checkpoint.found_overflow_local
                 self._scaling.restore(mirror.config, mirror.state, overflow, local)
-                self._mirror, self._step.records, self._numerics_source = mirror, (), None
+                if journals is not None:
+                    self._scaling.load_journal(journals[1])
+                self._mirror, self._step.records, self._numerics_source, self._loaded_names = (
+                    mirror, (), None, checkpoint.journal_names,
+                )  # fmt: skip
 
     @contextlib.contextmanager
-    def _states_follow_the_mirror(self) -> Iterator[None]:
+    def _states_follow_the_mirror(self, journals: tuple[np.ndarray, np.ndarray] | None = None) -> Iterator[None]:
         """Run a change of the scaling states and the mirror; if it fails part way, set the states from the mirror.
 
         The mirror changes in one assignment, last: after an interrupt the
@@ -348,7 +366,7 @@ class GradScaler(Face):
         (:meth:`_repair`): a second interrupt inside the repair cannot leave
         a device state ahead of the mirror for a later call to use.
         """
-        self._unsure = (self._mirror, self._scaling.verdict)  # first
+        self._unsure = (self._mirror, self._scaling.verdict, journals)  # first
         try:
             yield
         except BaseException:
@@ -360,9 +378,11 @@ class GradScaler(Face):
         """Set the scaling states from the mirror if a change of them may have stopped part way (synchronizes)."""
         if self._unsure is None:
             return
-        before, verdict = self._unsure
+        before, verdict, journals = self._unsure
         mirror = self._mirror  # replaced last: if it was, the states were already changed whole
         self._scaling.restore(mirror.config, mirror.state, *(verdict if mirror is before else self._scaling.verdict))
+        if journals is not None:
+            self._scaling.load_journal(journals[0] if mirror is before else journals[1])
         self._unsure = None
 
     def __repr__(self) -> str:

@@ -27,11 +27,14 @@ class StateSet:
     arrays fix where the state lives, once and for all.
     """
 
-    def __init__(self, config: ScalerConfig, state: ScalerState, *, one_device: bool, counts: bool = True) -> None:
+    def __init__(
+        self, config: ScalerConfig, state: ScalerState, *, one_device: bool, counts: bool = True, journal: int = 0
+    ) -> None:
         self.config = config
         self.counts = counts  # False for a disabled scaler's guard: its steps change nothing the user sees
         self.one_device = one_device
-        self.default: State = numpy_backend.HostState(config, state, False, False, 0)
+        self.capacity = journal  # each state's journal: the steps it keeps
+        self.default: State = numpy_backend.HostState(config, state, False, False, 0, journal)
         self.states: dict[int, State] = {}
         self._backend: Backend | None = None
         # What the host knows of the open (or last) step: (any overflow, this rank's own), and the same verdict
@@ -80,7 +83,9 @@ class StateSet:
             state.restore(self.config, *current())
         else:
             backend.refuse_capture("the scaler's state is first placed on the GPU")
-            state = backend.new_state(device, self.config, *current())
+            state = backend.new_state(device, self.config, *current(), self.capacity)
+            if self.capacity:
+                state.load_journal(self.all()[0].journal())  # the steps made before, where the scaler was
             if step_open:
                 state.begin_step()
         self._backend, self.states = backend, {**self.states, device: state}  # one commit
@@ -132,6 +137,15 @@ class StateSet:
     def capturing(self) -> bool:
         """Return whether any state's device is capturing a CUDA graph on its current stream."""
         return any(state.capturing() for state in self.all())
+
+    def journal(self) -> np.ndarray:
+        """Return the journal of the first state, oldest first (on the GPU, synchronizes)."""
+        return self.all()[0].journal()
+
+    def load_journal(self, entries: np.ndarray) -> None:
+        """Replace every state's journal by ``entries`` (sorted by step)."""
+        for state in self.all():
+            state.load_journal(entries)
 
     def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool) -> None:
         """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch."""

@@ -303,6 +303,7 @@ class Step:
             self._open(scope.phase, scope.states, claims)
         elif scope.states.counts:
             self.claims = claims
+        scope.number = len(self.records)
 
     def record_call(self, scope: GradientScope, culprits: tuple[int, ...] | None) -> None:
         """Keep the call's record (its labels, tables, state and culprits): the call's commit, made once.

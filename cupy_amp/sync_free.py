@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from cupy_amp import journal as step_journal
 from cupy_amp.checkpoint import GradScalerCheckpoint, expect_checkpoint
 from cupy_amp.distributed import OTHERS, Communicator, communicator_for, impossible_answers, poisoned_error
 from cupy_amp.errors import ArgumentTypeError, ConfigError
@@ -48,6 +49,7 @@ class SyncFreeGradScaler(Face):
         max_scale, hysteresis: As for :class:`~cupy_amp.GradScaler`.
         comm: As for :class:`~cupy_amp.GradScaler`; the MAX all-reduce of the
             overflow flag is queued on the stream, so it is captured with the step.
+        journal: As for :class:`~cupy_amp.GradScaler`.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -63,9 +65,11 @@ class SyncFreeGradScaler(Face):
         max_scale: float | None = 2.0**24,
         hysteresis: int = 1,
         comm: Any = None,
+        journal: int = step_journal.DEFAULT_CAPACITY,
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
-        self._states = StateSet(config, initial_state(config, init_scale), one_device=True)
+        capacity = step_journal.expect_capacity(journal)
+        self._states = StateSet(config, initial_state(config, init_scale), one_device=True, journal=capacity)
         self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()
@@ -210,6 +214,9 @@ class SyncFreeGradScaler(Face):
         state, overflow, local, _ = self._snapshot()
         return self.config, state, True, overflow, local
 
+    def _journaled(self) -> StateSet:
+        return self._states
+
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's, in place (synchronizes).
 
@@ -230,15 +237,19 @@ class SyncFreeGradScaler(Face):
         with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             config, (state, overflow, local, *_) = self.config, self._state.snapshot()
+            entries, names = self._states.journal(), (self._step.records, self._numerics_source, self._loaded_names)
             try:
                 self._states.restore(
                     checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
                 )
+                self._states.load_journal(checkpoint.journal_entries())
+                # The loaded state's last step is not the one reported; its names are the checkpoint's.
+                self._step.records, self._numerics_source, self._loaded_names = (), None, checkpoint.journal_names
             except BaseException:  # a load that failed part way leaves the state it found
                 self._states.restore(config, state, overflow, local)
+                self._states.load_journal(entries)
+                self._step.records, self._numerics_source, self._loaded_names = names
                 raise
-            self._step.records = ()
-            self._numerics_source = None  # the loaded state's last step is not the one reported
 
     def __repr__(self) -> str:
         config = self.config

@@ -52,6 +52,8 @@ struct UnscaleArgs {
     long long chunk_count;
     u64 tensor_found;  // u64 per tensor, set to the step's epoch if it held inf/nan (so none needs clearing)
     u64 state;         // State*: the factor is the inverse of its scale; inf/nan sets its found and clears finite
+    u64 positions;     // const int per tensor: its position in the call (for the journal's first culprit)
+    u64 call;          // the call's number in the step (0 for the first)
 };
 
 struct ScaleArgs {
@@ -82,17 +84,39 @@ struct State {
     double max_scale;  // inf without a ceiling
     u64 growth_interval;
     u64 hysteresis;
-    u64 bad_votes;       // steps whose all-reduce answer no ranks can produce (the host raises on them)
-    u64 bad_vote_epoch;  // the step last counted there: finishing a vote twice counts it once
-    u64 stats;           // Stats*: the statistics record, which says "skip" from each step's opening and close on
-    double vote_count;   // unscale_and_check's all-reduced pair: this rank's 0/1 overflow flag, then the ranks' count,
-    double vote_sum;     // and 0 beside it, as in check()'s pair (count, sum of squares): one kind of collective
+    u64 bad_votes;         // steps whose all-reduce answer no ranks can produce (the host raises on them)
+    u64 bad_vote_epoch;    // the step last counted there: finishing a vote twice counts it once
+    u64 stats;             // Stats*: the statistics record, which says "skip" from each step's opening and close on
+    u64 journal;           // JournalEntry[journal_capacity]: the step of number n is at (n - 1) % capacity
+    u64 journal_capacity;  // 0: no journal
+    u64 first_culprit;     // the step's lowest (call << 32 | position) that held inf/nan here; all ones: none
+    u64 checked_epoch;     // the epoch of the last check() whose statistics were finished
+    double vote_count;  // unscale_and_check's all-reduced pair: this rank's 0/1 overflow flag, then the ranks' count,
+    double vote_sum;    // and 0 beside it, as in check()'s pair (count, sum of squares): one kind of collective
     float scale;
     int found;             // 1 once this rank's gradients of the step held inf/nan
     int agreed;            // with a communicator: 1 if any rank's did (from the all-reduced count)
     int poisoned;          // 1 once an all-reduce answered a poisoned vote (cupy_amp.distributed.POISON): for good
+    int culprits;          // the step's gradients that held inf/nan here, each counted once
     unsigned char finite;  // the verdict handed to users (1: finite); the rule never reads it back
 };
+
+// One step of the journal (cupy_amp.journal), written by the rule when it closes the step.
+struct JournalEntry {
+    u64 step;                // the step's number: the scaler's count of steps, this one included
+    float scale;             // the scale the step used
+    float next_scale;        // the scale the rule left for the next step
+    float norm;              // check()'s norm of the unscaled gradients; NaN in a step without check()
+    float clip_coefficient;  // check()'s clip coefficient; NaN likewise
+    int culprits;            // this rank's gradients that held inf/nan
+    int culprit_call;        // the first of them: its call's number in the step, and its position there;
+    int culprit;             // -1 and -1 without one
+    unsigned char local;     // 1: this rank's gradients held inf/nan
+    unsigned char agreed;    // 1: the step overflowed (here or on another rank), so it was skipped
+    unsigned char action;    // cupy_amp.journal: kKept, kGrew, kBackedOff, kHeld, kAtFloor, kAtCeiling
+};
+
+constexpr unsigned char kKept = 0, kGrew = 1, kBackedOff = 2, kHeld = 3, kAtFloor = 4, kAtCeiling = 5;
 
 struct StateArgs {
     u64 state;  // State*
@@ -144,11 +168,26 @@ struct StatsArgs {
     u64 tensor_found;  // as for UnscaleArgs
     u64 state;         // State*: the epoch is read from it; inf/nan sets its found and clears finite
     u64 report;        // the report entries only: u64[3] per tensor, zeroed before: amax bits, zeros, subnormals
+    u64 positions;     // as for UnscaleArgs
+    u64 call;
 };
 
 // What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of
 // Stats::overflowed and Stats::sum_of_squares comes next); or only finish (after that all-reduce).
 constexpr int kSumAndFinish = 0, kSumOnly = 1, kFinishOnly = 2;
+
+// A tensor that held inf/nan: its flag gets the step's epoch and the state's found is set. The first time in
+// the step (the exchange tells), the state also counts it and keeps the step's lowest (call, position).
+__device__ __forceinline__ void mark_culprit(State* state, u64* flags, const int* positions, u64 call, int tensor,
+                                             u64 epoch) {
+    if (atomicExch(reinterpret_cast<unsigned long long*>(flags + tensor), epoch) != epoch) {
+        atomicAdd(&state->culprits, 1);
+        atomicMin(reinterpret_cast<unsigned long long*>(&state->first_culprit),
+                  (call << 32) | (u64)(u32)positions[tensor]);
+    }
+    state->found = 1;
+    state->finite = 0;
+}
 
 struct FinishArgs {
     u64 stats;     // Stats*

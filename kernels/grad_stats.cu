@@ -59,9 +59,8 @@ __device__ void gradient_stats(const StatsArgs& args) {
         if (walk_by_warp(chunk.address, layout, chunk.first, chunk.last, op)) {
             // Every thread that saw inf/nan writes the same values: no barrier per chunk (this pass only reads,
             // so nothing else waits for the warp), and flags are written only on an overflow.
-            reinterpret_cast<volatile u64*>(args.tensor_found)[chunk.tensor] = epoch;
-            state->finite = 0;
-            state->found = 1;
+            mark_culprit(const_cast<State*>(state), reinterpret_cast<u64*>(args.tensor_found),
+                         reinterpret_cast<const int*>(args.positions), args.call, chunk.tensor, epoch);
         }
         if constexpr (kReport) op.tally.settle();
     }
@@ -122,6 +121,7 @@ __device__ void finish_stats(const FinishArgs& args) {
     stats->found = local;
     stats->bad_vote = bad ? 1 : 0;
     stats->skip = local != 0 || agreed || state->agreed != 0;
+    state->checked_epoch = state->epoch;  // the journal takes this step's norm and clip coefficient
 }
 
 }  // namespace cupy_amp

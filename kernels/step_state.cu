@@ -15,6 +15,27 @@ __device__ __forceinline__ u64 next_epoch(u64 epoch) {
     return (epoch & 0xffffffff00000000ull) | (u64)(count == 0u ? 1u : count);
 }
 
+// The journal's entry of the step the rule just closed (cupy_amp.journal; NumPy: HostState.update), at the slot
+// of its number, so that a state restored to an earlier count writes over what it rolled back.
+__device__ void write_journal(State* s, float old, bool overflow, unsigned char action) {
+    JournalEntry* e = reinterpret_cast<JournalEntry*>(s->journal) + (s->steps - 1) % s->journal_capacity;
+    const bool checked = s->checked_epoch == s->epoch;
+    const Stats* stats = reinterpret_cast<const Stats*>(s->stats);
+    const float nan = __int_as_float(0x7fc00000);
+    const bool culprit = s->first_culprit != ~0ull;
+    e->step = s->steps;
+    e->scale = old;
+    e->next_scale = s->scale;
+    e->norm = checked ? stats->norm : nan;
+    e->clip_coefficient = checked ? stats->clip_coefficient : nan;
+    e->culprits = s->culprits;
+    e->culprit_call = culprit ? (int)(s->first_culprit >> 32) : -1;
+    e->culprit = culprit ? (int)(u32)s->first_culprit : -1;
+    e->local = s->found != 0 ? 1 : 0;
+    e->agreed = overflow ? 1 : 0;
+    e->action = action;
+}
+
 // cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
@@ -25,12 +46,15 @@ __device__ void update_state(State* s) {
     const bool overflow = s->found != 0 || s->agreed != 0;  // not `finite`, which users can write
     const float old = s->scale;
     float scale = old;
+    unsigned char action = kKept;
     s->steps += 1;
     if (overflow) {
         const u64 tracker = s->hysteresis_tracker == 0 ? 0 : s->hysteresis_tracker - 1;
+        action = kHeld;
         if (tracker == 0) {
             const double backed = widen(narrow(__dmul_rn(widen(old), s->backoff_factor)));
             scale = narrow(backed > s->floor ? backed : s->floor);
+            action = bits_of(scale) != bits_of(old) ? kBackedOff : kAtFloor;
         }
         s->consecutive_good_steps = 0;
         s->hysteresis_tracker = tracker;
@@ -46,11 +70,13 @@ __device__ void update_state(State* s) {
             }
             good = 0;
             s->hysteresis_tracker = s->hysteresis;
+            action = bits_of(scale) != bits_of(old) ? kGrew : kAtCeiling;
         }
         s->consecutive_good_steps = good;
         if (bits_of(scale) != bits_of(old)) s->growths += 1;
     }
     s->scale = scale;
+    if (s->journal_capacity != 0) write_journal(s, old, overflow, action);
 }
 
 // A step's first gradient call: a new epoch, flags that say "finite" until a kernel finds otherwise, and a
@@ -60,6 +86,8 @@ __device__ void begin_step(State* s) {
     s->found = 0;
     s->agreed = 0;
     s->finite = 1;
+    s->culprits = 0;
+    s->first_culprit = ~0ull;
     reinterpret_cast<Stats*>(s->stats)->skip = 1;
 }
 

@@ -19,9 +19,8 @@ __device__ void unscale_check(const UnscaleArgs& args) {
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
         const bool bad = walk(chunk.address, layout, chunk.first, chunk.last, op);
         if (__syncthreads_or(bad) && threadIdx.x == 0) {
-            reinterpret_cast<u64*>(args.tensor_found)[chunk.tensor] = epoch;
-            state->found = 1;
-            state->finite = 0;
+            mark_culprit(state, reinterpret_cast<u64*>(args.tensor_found), reinterpret_cast<const int*>(args.positions),
+                         args.call, chunk.tensor, epoch);
         }
     }
 }

@@ -8,6 +8,7 @@ shared mistake between this model and the library is unlikely.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -62,6 +63,11 @@ class RefScaler:
     backoffs: int = field(init=False, default=0)
     remote_skipped_steps: int = field(init=False, default=0)
     found_overflow: bool = field(init=False, default=False)
+    # The step journal as a checkpoint holds it: one entry per enabled step, packed here with the struct
+    # module from the spec's field list (step, scale, next scale, norm, clip coefficient, culprits, the
+    # first culprit's call and position, local, agreed, action, one zero byte of padding).
+    journal: list[bytes] = field(init=False, default_factory=list)
+    journal_names: tuple[tuple[str, ...], ...] = field(init=False, default=())
 
     def __post_init__(self) -> None:
         self.scale = f32(self.config.init_scale)
@@ -86,10 +92,31 @@ class RefScaler:
     def scale_factor(self) -> float:
         return self.scale if self.enabled else 1.0
 
-    def step(self, overflow: bool) -> None:
-        """Apply ``update()`` after a step that did (or did not) overflow."""
+    def step(
+        self,
+        overflow: bool,
+        culprits: int = 0,
+        first: tuple[int, int] = (-1, -1),
+        names: tuple[tuple[str, ...], ...] = (),
+    ) -> None:
+        """Apply ``update()`` after a step that did (or did not) overflow, and journal it: ``culprits`` gradients
+        held inf/nan, the first at ``first`` (call, position); ``names`` are the step's gradients, call by call."""
         if not self.enabled:
             return
+        old, tracker = self.scale, self.hysteresis_tracker
+        self._rule(overflow)
+        if overflow:
+            action = 3 if max(tracker - 1, 0) > 0 else (2 if self.scale != old else 4)
+        elif self.consecutive_good_steps == 0:  # the growth interval ran out
+            action = 1 if self.scale != old else 5
+        else:
+            action = 0
+        nan = float("nan")
+        entry = struct.pack("<QffffiiiBBBx", self.steps, old, self.scale, nan, nan, culprits, *first, overflow, overflow, action)
+        self.journal.append(entry)
+        self.journal_names = names
+
+    def _rule(self, overflow: bool) -> None:
         self.steps += 1
         self.found_overflow = overflow
         old = self.scale
@@ -157,6 +184,8 @@ class RefScaler:
             "growths": self.growths,
             "backoffs": self.backoffs,
             "remote_skipped_steps": self.remote_skipped_steps,
+            "journal": b"".join(self.journal),
+            "journal_names": self.journal_names,
         }
 
 

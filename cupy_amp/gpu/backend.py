@@ -25,6 +25,7 @@ from typing import Any
 import cupy
 import numpy as np
 
+from cupy_amp import journal
 from cupy_amp.dtypes import dtype_name
 from cupy_amp.gpu.launch import MAX_GRID, StreamOrder, _on_device, capturing, launcher, refuse_capture
 from cupy_amp.gpu.stats import DeviceStatsRecord
@@ -148,11 +149,13 @@ class DeviceState:
     """
 
     def __init__(
-        self, device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
-    ) -> None:
+        self, device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int,
+        capacity: int = 0,
+    ) -> None:  # fmt: skip
         self.device = device
         with _on_device(device):
             self._memory = cupy.zeros(STATE.itemsize, dtype=np.uint8)
+            self._journal = cupy.zeros(capacity * journal.ENTRY.itemsize, dtype=np.uint8)  # the rule's ring
             # Loaded now, not at a first call that may come inside a CUDA graph capture (which cannot load modules).
             for entry in ENTRIES["step_state.cu"]:
                 launcher("step_state.cu", entry, threads=1)
@@ -261,6 +264,9 @@ class DeviceState:
         record["agreed"] = overflow
         record["finite"] = not overflow
         record["stats"] = self.stats.address
+        record["journal"] = self._journal.data.ptr
+        record["journal_capacity"] = self._journal.size // journal.ENTRY.itemsize
+        record["first_culprit"] = 2**64 - 1  # none: the step's culprits start again
         self.stats.record.closed()
         self._begun = False  # first: after an interrupt before the write, the next step only begins again
         with _on_device(self.device):
@@ -312,17 +318,19 @@ class DeviceState:
         entry = self._culprit_flags.get(id(group.table.memory))
         return entry[1] if entry is not None and entry[0]() is group.table.memory else None
 
-    def unscale(self, call: Any) -> None:
+    def unscale(self, call: Any, number: int = 0) -> None:
         """Queue the unscale of a parsed call (its arrays on this device), reading factor and epoch from the State.
 
-        Returns None: the culprits are read later, by :meth:`culprits`.
+        ``number``: the call's number in the step, for the journal's first culprit. Returns None: the culprits
+        are read later, by :meth:`culprits`.
         """
         with _on_device(self.device):
             stream = self.follow()
             for group in call.plan:
                 if group.table.launch is not None:
                     grid = min(group.table.chunk_count, MAX_GRID)
-                    group.table.launch(grid, stream.ptr, state=self.address, tensor_found=self._flags(group))
+                    found = self._flags(group)
+                    group.table.launch(grid, stream.ptr, state=self.address, tensor_found=found, call=number)
 
     def prepare(self, call: Any) -> None:
         """Get everything a captured step with ``call``'s arrays needs (the statistics buffer, the culprit flags)."""
@@ -331,7 +339,7 @@ class DeviceState:
             if group.table.stats is not None:
                 self._flags(group)
 
-    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False) -> None:
+    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False, number: int = 0) -> None:
         """Queue the statistics pass of a parsed call (its arrays on this device), reading the State.
 
         With ``voting``, only this rank's sums are taken (:meth:`vote_sums`, then
@@ -339,7 +347,7 @@ class DeviceState:
         report (:meth:`numerics`). Returns None: the culprits are read later, by :meth:`culprits`.
         """
         with _on_device(self.device):
-            self.stats.gather(call.plan, self.follow(), self.address, self._flags, max_norm, voting, report)
+            self.stats.gather(call.plan, self.follow(), self.address, self._flags, max_norm, voting, report, number)
 
     def numerics(self, plan: Any) -> list[Numerics]:
         """Return the numerics report that the last ``check(report=True)`` over ``plan`` filled (synchronizes)."""
@@ -417,6 +425,24 @@ class DeviceState:
             )
         self._begun = True
 
+    def journal(self) -> np.ndarray:
+        """Return the journal's entries, oldest first (waits for the whole device)."""
+        with _on_device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
+            (record,) = self._memory.get().view(STATE)
+            ring = self._journal.get().view(journal.ENTRY)
+        self.order.settled()
+        return journal.entries(ring, int(record["steps"]))
+
+    def load_journal(self, chosen: np.ndarray) -> None:
+        """Replace the journal by ``chosen`` (entries sorted by step; the newest that fit are kept; synchronizes)."""
+        ring = journal.place(self._journal.size // journal.ENTRY.itemsize, chosen)
+        with _on_device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()  # no queued step still writes the ring
+            self._journal.set(ring.view(np.uint8))
+            cupy.cuda.runtime.deviceSynchronize()  # the host ring is a temporary
+        self.order.settled()
+
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]:
         """Return the positions of a call's arrays (``plan``: its tables) flagged in step ``epoch`` (synchronizes)."""
         epoch = self._owner | epoch
@@ -434,7 +460,8 @@ class DeviceState:
 
 
 def new_state(
-    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int
+    device: int, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, capacity: int = 0
 ) -> DeviceState:
-    """Return a scaler state in ``device``'s memory (allocates and synchronizes: never inside a capture)."""
-    return DeviceState(device, config, state, overflow, local, epoch)
+    """Return a scaler state in ``device``'s memory, with a journal of ``capacity`` steps (allocates and
+    synchronizes: never inside a capture)."""
+    return DeviceState(device, config, state, overflow, local, epoch, capacity)

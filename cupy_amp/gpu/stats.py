@@ -126,7 +126,7 @@ class DeviceStatsRecord:
 
     def gather(
         self, plan: tuple[GradientGroup, ...], stream: Any, state: int, flags: Callable[[GradientGroup], int],
-        max_norm: float, voting: bool, report: bool = False,
+        max_norm: float, voting: bool, report: bool = False, number: int = 0,
     ) -> None:  # fmt: skip
         """Queue the statistics of one device's groups (at most one per dtype), then their finish; never waits.
 
@@ -136,7 +136,8 @@ class DeviceStatsRecord:
         sums are taken: :attr:`values` is then to be all-reduced, and
         :meth:`finish` called. With ``report``, the same read also fills this
         record's numerics report (zeroed first, on the stream), 3 counts per
-        gradient, the groups' gradients one after the other.
+        gradient, the groups' gradients one after the other. ``number``: the call's number in the step (the
+        journal's first culprit).
         """
         self.reserve(plan)
         if report:
@@ -148,7 +149,10 @@ class DeviceStatsRecord:
             if launch is not None:
                 entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
                 found = flags(group)
-                launch(grid, stream.ptr, partials=partials + 8 * written, state=state, tensor_found=found, **entries)
+                launch(
+                    grid, stream.ptr, partials=partials + 8 * written, state=state, tensor_found=found, call=number,
+                    **entries,
+                )
                 written += grid
             reported += len(group.positions)
         self._finish(

@@ -159,19 +159,21 @@ def gradient_tables(arrays: Sequence[cupy.ndarray]) -> tuple[GradientGroup, ...]
             "gradients",
             device,
             dtype,
-            tuple((arrays[p].data.ptr, arrays[p].shape, arrays[p].strides) for p in members),
+            tuple((p, arrays[p].data.ptr, arrays[p].shape, arrays[p].strides) for p in members),
         )
 
         def build(device: int = device, members: list[int] = members) -> GradientTable:
             with _on_device(device):
-                return _gradient_table([arrays[p] for p in members], str(dtype_name(arrays[members[0]].dtype)))
+                dtype = str(dtype_name(arrays[members[0]].dtype))
+                return _gradient_table([arrays[p] for p in members], dtype, members)
 
         groups.append(GradientGroup(device, tuple(members), _cached(key, build)))
     return tuple(groups)
 
 
-def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable:
-    """Describe ``arrays`` (one device, one dtype) in device tables, with one host-to-device copy."""
+def _gradient_table(arrays: list[cupy.ndarray], type_name: str, positions: list[int]) -> GradientTable:
+    """Describe ``arrays`` (one device, one dtype; at ``positions`` in their call) in device tables, with one
+    host-to-device copy."""
     count = len(arrays)
     bases = np.empty(count, dtype=np.int64)
     sizes = np.empty(count, dtype=np.int64)
@@ -193,11 +195,18 @@ def _gradient_table(arrays: list[cupy.ndarray], type_name: str) -> GradientTable
     records["last"] = np.where(dense, count_of, first + count_of)
     records["tensor"] = tensor
     records["layout"] = layout_of[tensor]
-    memory = upload(np.concatenate([records.view(np.uint8), np.asarray(layouts, dtype=np.int64).view(np.uint8)]))
+    words = np.asarray(layouts, dtype=np.int64)
+    where = np.asarray(positions, dtype=np.int32)  # each tensor's position in the call, for the journal
+    memory = upload(np.concatenate([records.view(np.uint8), words.view(np.uint8), where.view(np.uint8)]))
     launch = stats = report_stats = None
     if len(records):
         # Each state passes its own culprit flags (tensor_found) at launch: a table is shared by every scaler.
-        tables = {"chunks": memory.data.ptr, "layouts": memory.data.ptr + records.nbytes, "chunk_count": len(records)}
+        tables = {
+            "chunks": memory.data.ptr,
+            "layouts": memory.data.ptr + records.nbytes,
+            "chunk_count": len(records),
+            "positions": memory.data.ptr + records.nbytes + words.nbytes,
+        }
         if type_name in UNSCALE_DTYPE_NAMES:
             function = _function("unscale_check.cu", f"cupy_amp_unscale_check_{type_name}")
             launch = _Launcher(function, UNSCALE_ARGS, **tables)

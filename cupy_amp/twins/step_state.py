@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from cupy_amp.distributed import count_verdict, refuse_impossible_sum
+from cupy_amp import journal
 from cupy_amp.errors import CommunicatorError, RanksMayDisagreeError
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.state import Verdict
@@ -34,7 +35,11 @@ class HostState:
 
     device = -1
 
-    def __init__(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+    def __init__(
+        self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, capacity: int = 0
+    ) -> None:
+        self._journal = np.zeros(capacity, dtype=journal.ENTRY)  # the ring: step n at slot (n - 1) % capacity
+        self._culprits, self._first_culprit, self._checked = 0, None, -1  # the open step's, for its entry
         self._finite = np.ones((), dtype=np.bool_)
         self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
         self.finite.flags.writeable = False
@@ -64,6 +69,7 @@ class HostState:
         self.skip_statistics()
         self._finite[()] = not overflow
         self._config, self._state, self._found, self._epoch, self._updated = config, state, local, epoch, -1
+        self._culprits, self._first_culprit = 0, None
 
     def scale_loss(self, loss: np.ndarray) -> None:
         scale_loss(loss, np.float32(self._state.scale))
@@ -74,18 +80,31 @@ class HostState:
         self._epoch = self._epoch % (2**32 - 1) + 1
         self._finite[()] = not self._poisoned  # before _found: a reader never sees an overflow without its origin
         self._found = False
+        self._culprits, self._first_culprit = 0, None
 
-    def unscale(self, call: Any) -> tuple[int, ...]:
-        """Check every array for inf/nan, then multiply it by the inverse scale in place, one at a time."""
+    def unscale(self, call: Any, number: int = 0) -> tuple[int, ...]:
+        """Check every array for inf/nan, then multiply it by the inverse scale in place, one at a time.
+
+        ``number``: the call's number in the step, for the journal's first culprit.
+        """
         culprits = unscale_check(call.arrays, inverse_scale(self._state.scale))
-        if culprits:
-            self.mark_overflow()
+        self._count(culprits, number)
         return culprits
+
+    def _count(self, culprits: tuple[int, ...], number: int) -> None:
+        """Count a call's culprits for the journal (the first, by call and position, kept), and the overflow."""
+        if culprits:
+            self._culprits += len(culprits)
+            first = (number, min(culprits))
+            self._first_culprit = first if self._first_culprit is None else min(self._first_culprit, first)
+            self.mark_overflow()
 
     def prepare(self, call: Any) -> None:
         """Nothing to set aside on the host."""
 
-    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False) -> tuple[int, ...]:
+    def check(
+        self, call: Any, max_norm: float, voting: bool, report: bool = False, number: int = 0
+    ) -> tuple[int, ...]:
         """Read a parsed call's statistics; return the positions of the arrays that held inf/nan.
 
         With ``voting``, the record is finished by :meth:`vote_sums` and
@@ -94,8 +113,7 @@ class HostState:
         if report:
             self._numerics = [grad_stats.numerics(position, array) for position, array in enumerate(call.arrays)]
         culprits, total = grad_stats.sums(call.arrays)
-        if culprits:
-            self.mark_overflow()
+        self._count(culprits, number)
         if voting:
             self._own = total
         else:
@@ -103,6 +121,7 @@ class HostState:
         return culprits
 
     def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
+        self._checked = self._epoch
         grad_stats.finish(
             self.stats.memory, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own
         )
@@ -167,8 +186,29 @@ class HostState:
         self.stats.record.closed()
         self.skip_statistics()
         if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing
-            after = next_state(self._config, self._state, not bool(self._finite), self._found)
+            before, overflow = self._state, not bool(self._finite)
+            after = next_state(self._config, before, overflow, self._found)
             self._state, self._updated = after, self._epoch
+            if len(self._journal):
+                self._write_journal(before, after, overflow)
+
+    def _write_journal(self, before: ScalerState, after: ScalerState, overflow: bool) -> None:
+        """Write the closed step's entry at its slot, as ``write_journal`` does on the device."""
+        checked = self._checked == self._epoch
+        call, position = self._first_culprit or (-1, -1)
+        self._journal[(after.steps - 1) % len(self._journal)] = (
+            after.steps, before.scale, after.scale,
+            self.stats.norm if checked else np.nan, self.stats.clip_coefficient if checked else np.nan,
+            self._culprits, call, position, self._found, overflow, journal.action_of(self._config, before, after, overflow),
+        )  # fmt: skip
+
+    def journal(self) -> np.ndarray:
+        """Return the journal's entries, oldest first."""
+        return journal.entries(self._journal, self._state.steps)
+
+    def load_journal(self, chosen: np.ndarray) -> None:
+        """Replace the journal by ``chosen`` (entries sorted by step; the newest that fit are kept)."""
+        self._journal = journal.place(len(self._journal), chosen)
 
     def follow(self) -> None:
         """Nothing to order on the host."""

@@ -184,7 +184,12 @@ def run_step(face: Face, scaler: Any, ref: RefScaler, step: Step, previous_overf
     assert scaler.nonfinite_gradients() == labels
 
     scaler.update()
-    ref.step(overflow)
+    if step.split:  # the first call's arrays are grads[0] and grads[1] (None is left out), the second's grads[2]
+        names, where = (("0", "2"), ("head",)), [(0, 0), (0, 1), (1, 0)]
+    else:
+        names, where = (("0", "1", "2"),), [(0, 0), (0, 1), (0, 2)]
+    first = next((at for at, flag in zip(where, bad) if flag), (-1, -1))
+    ref.step(overflow, sum(bad), first, names)
     assert_matches_reference(scaler, ref)
     assert scaler.had_overflow() is overflow
     assert scaler.nonfinite_gradients() == labels
@@ -257,7 +262,7 @@ def test_checkpoint_round_trip_continues_identically(face: Face, config: RefConf
         ref.enabled = True
 
     twin = RefScaler(config)
-    twin.__dict__.update({k: v for k, v in ref.__dict__.items() if k != "config"})
+    twin.__dict__.update({k: list(v) if isinstance(v, list) else v for k, v in ref.__dict__.items() if k != "config"})
     for step in steps[cut:]:
         overflow_a = run_step(face, original, ref, step, overflow)
         overflow_b = run_step(face, resumed, twin, step, overflow)

@@ -54,8 +54,8 @@ def fail_result(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     switch: dict[str, Any] = {"error": None}
     real = numpy_backend.HostState.unscale
 
-    def unscale(self: numpy_backend.HostState, call: Any) -> tuple[int, ...]:
-        culprits = real(self, call)
+    def unscale(self: numpy_backend.HostState, call: Any, number: int = 0) -> tuple[int, ...]:
+        culprits = real(self, call, number)
         if switch["error"] is not None:
             raise switch["error"]
         return culprits

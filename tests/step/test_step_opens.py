@@ -272,7 +272,7 @@ def test_abandon_step_after_a_failed_gradient_call_is_refused(face: Face, monkey
     # A call that fails once it may have written counts the step as an overflow: that step must reach update().
     from cupy_amp.twins.step_state import HostState
 
-    def broken(self: Any, call: Any) -> Any:
+    def broken(self: Any, call: Any, number: int = 0) -> Any:
         raise RuntimeError("the device broke")
 
     scaler = face(init_scale=4.0)

@@ -1,0 +1,189 @@
+"""The step journal: what the last steps of a scaler did and why, kept where its state is.
+
+The rule writes one entry per step it closes (``kernels/step_state.cu``:
+``write_journal``; on the host, :class:`cupy_amp.twins.step_state.HostState`),
+into a ring of ``capacity`` entries beside the state: no extra pass over the
+gradients, no synchronization, and nothing a CUDA graph could not replay. The
+step of number ``n`` (the scaler's ``steps`` count, that step included) sits at
+slot ``(n - 1) % capacity``, so a state restored to an earlier count writes
+over the steps it rolled back, and :func:`entries` keeps only the slots that
+hold the steps the state has made.
+
+An entry (:data:`ENTRY`, a NumPy structured dtype) holds:
+
+- ``step``: the step's number; ``scale``: the scale it used; ``next_scale``: the one the rule left;
+- ``local``: this rank's gradients held inf/nan; ``agreed``: the step overflowed on some rank, so it was skipped;
+- ``action``: what the rule did (:data:`ACTIONS`);
+- ``culprits``: how many of this rank's gradients held inf/nan; ``culprit_call`` and ``culprit``: the first
+  of them, by its call's number in the step and its position in that call (-1 without one);
+- ``norm`` and ``clip_coefficient``: ``check()``'s, NaN in a step without ``check()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from cupy_amp.errors import CheckpointFieldError, ConfigError
+from cupy_amp.kernel_interface import JOURNAL_ENTRY
+from cupy_amp.rule import ScalerConfig, ScalerState
+
+__all__ = [
+    "ACTIONS",
+    "AT_CEILING",
+    "AT_FLOOR",
+    "BACKED_OFF",
+    "DEFAULT_CAPACITY",
+    "ENTRY",
+    "GREW",
+    "HELD",
+    "KEPT",
+    "MAX_CAPACITY",
+    "MAX_NAMES",
+    "MAX_NAME_LENGTH",
+    "action_of",
+    "entries",
+    "expect_capacity",
+    "expect_names",
+    "from_bytes",
+    "names",
+    "place",
+    "to_bytes",
+]
+
+ENTRY = JOURNAL_ENTRY
+DEFAULT_CAPACITY = 1024
+MAX_CAPACITY = 16384  # 640 KiB in a checkpoint, under its 1 MiB cap
+
+# What the rule did to the scale (kernels/common.cuh: kKept...).
+KEPT, GREW, BACKED_OFF, HELD, AT_FLOOR, AT_CEILING = range(6)
+ACTIONS = {
+    KEPT: "kept",  # a clean step before the growth interval ran out
+    GREW: "grew",
+    BACKED_OFF: "backed off",
+    HELD: "held by hysteresis",  # an overflow that the hysteresis tracker absorbed
+    AT_FLOOR: "at the floor",  # a backoff that min_scale (or the smallest scale) stopped
+    AT_CEILING: "at the ceiling",  # a growth that max_scale (or float32's range) stopped
+}
+
+
+def expect_capacity(value: Any) -> int:
+    """Return ``value`` as a journal capacity: an int from 0 (no journal) to :data:`MAX_CAPACITY`.
+
+    Raises:
+        ConfigError: Anything else.
+    """
+    if type(value) is not int or not 0 <= value <= MAX_CAPACITY:
+        raise ConfigError(
+            f"journal: expected the number of steps to keep, an int from 0 (no journal) to {MAX_CAPACITY}; "
+            f"got {value!r}."
+        )
+    return value
+
+
+def action_of(config: ScalerConfig, before: ScalerState, after: ScalerState, overflow: bool) -> int:
+    """Return what the rule did in a step that took ``before`` to ``after`` (as ``write_journal`` tells it)."""
+    changed = np.float32(after.scale).tobytes() != np.float32(before.scale).tobytes()
+    if overflow:
+        if max(before.hysteresis_tracker - 1, 0) != 0:
+            return HELD
+        return BACKED_OFF if changed else AT_FLOOR
+    if before.consecutive_good_steps + 1 >= config.growth_interval:
+        return GREW if changed else AT_CEILING
+    return KEPT
+
+
+def _copy(chosen: np.ndarray) -> np.ndarray:
+    """Return a copy of entries field by field over zeros: NumPy's copies of a record leave its padding
+    undefined, and a checkpoint's bytes must not depend on it."""
+    copy = np.zeros(len(chosen), dtype=ENTRY)
+    for name in ENTRY.names or ():
+        copy[name] = chosen[name]
+    return copy
+
+
+def entries(ring: np.ndarray, steps: int) -> np.ndarray:
+    """Return the steps a ring holds of a state that has made ``steps`` steps, oldest first.
+
+    A slot counts only if it holds the step whose number maps to it, up to ``steps``: slots never
+    written (step 0) and steps rolled back by a restore are left out.
+    """
+    capacity = len(ring)
+    if capacity == 0:
+        return np.zeros(0, dtype=ENTRY)
+    numbers = ring["step"].astype(np.int64)
+    held = (numbers >= 1) & (numbers <= steps) & (numbers > steps - capacity)
+    held &= (numbers - 1) % capacity == np.arange(capacity)
+    chosen = ring[held]
+    return _copy(chosen[np.argsort(chosen["step"], kind="stable")])
+
+
+def place(capacity: int, chosen: np.ndarray) -> np.ndarray:
+    """Return a ring of ``capacity`` slots holding the newest of ``chosen`` (sorted by step) at their slots."""
+    ring = np.zeros(capacity, dtype=ENTRY)
+    if capacity:
+        kept = chosen[len(chosen) - capacity :] if len(chosen) > capacity else chosen
+        ring[(kept["step"].astype(np.int64) - 1) % capacity] = kept
+    return ring
+
+
+def to_bytes(chosen: np.ndarray) -> bytes:
+    """Return journal entries as a checkpoint stores them: the entries' little-endian bytes, oldest first."""
+    return _copy(chosen).tobytes()
+
+
+def from_bytes(data: bytes, steps: int) -> np.ndarray:
+    """Read a checkpoint's journal entries, refusing any that a scaler of ``steps`` steps cannot have written.
+
+    Raises:
+        CheckpointFieldError: Not a whole number of entries, more than :data:`MAX_CAPACITY`, steps not
+            increasing or beyond ``steps``, or a field out of its range.
+    """
+    if len(data) % ENTRY.itemsize or len(data) // ENTRY.itemsize > MAX_CAPACITY:
+        raise CheckpointFieldError(
+            f"journal: expected at most {MAX_CAPACITY} entries of {ENTRY.itemsize} bytes; got {len(data)} bytes."
+        )
+    raw = np.frombuffer(data, dtype=np.uint8).reshape(-1, ENTRY.itemsize)
+    chosen = _copy(np.frombuffer(data, dtype=ENTRY))
+    numbers = chosen["step"]
+    problems = []
+    if len(chosen) and (numbers[0] < 1 or numbers[-1] > steps or np.any(np.diff(numbers.astype(np.int64)) <= 0)):
+        problems.append(f"steps must increase, from 1 to the scaler's {steps}")
+    if np.any(chosen["action"] >= len(ACTIONS)) or np.any(chosen["local"] > 1) or np.any(chosen["agreed"] > 1):
+        problems.append(f"action must be below {len(ACTIONS)}, local and agreed 0 or 1")
+    calls, positions = chosen["culprit_call"], chosen["culprit"]
+    if np.any(chosen["culprits"] < 0) or np.any(calls < -1) or np.any(positions < -1) or np.any((calls < 0) != (positions < 0)):
+        problems.append("culprit counts must be >= 0, a culprit's call and position both -1 or both >= 0")
+    if np.any(~np.isfinite(chosen["scale"]) | (chosen["scale"] <= 0) | ~np.isfinite(chosen["next_scale"])):
+        problems.append("scales must be finite and positive")
+    if np.any(raw[:, ENTRY.fields["action"][1] + 1 :]):  # type: ignore[index]
+        problems.append("padding bytes must be zero")
+    if problems:
+        raise CheckpointFieldError(f"journal: {'; '.join(problems)}. The file was not written by cupy-amp.")
+    return chosen
+
+
+MAX_NAMES = 4096  # names kept in a checkpoint, over all calls
+MAX_NAME_LENGTH = 128
+
+
+def names(labels: Any) -> tuple[tuple[str, ...], ...]:
+    """Return the names a checkpoint keeps of a step's gradient labels (call by call): each as a string cut
+    to :data:`MAX_NAME_LENGTH` characters, or none at all when there are more than :data:`MAX_NAMES`."""
+    kept = tuple(tuple(str(label)[:MAX_NAME_LENGTH] for label in call) for call in labels)
+    return kept if sum(len(call) for call in kept) <= MAX_NAMES else ()
+
+
+def expect_names(error: type[Exception], value: Any) -> tuple[tuple[str, ...], ...]:
+    """Return a checkpoint's ``journal_names`` as tuples, or raise ``error`` naming what is wrong."""
+    if not isinstance(value, (list, tuple)) or not all(isinstance(call, (list, tuple)) for call in value):
+        raise error(f"Invalid 'journal_names': expected an array of arrays of strings, got {type(value).__name__}.")
+    kept = tuple(tuple(call) for call in value)
+    if sum(len(call) for call in kept) > MAX_NAMES or not all(
+        type(name) is str and len(name) <= MAX_NAME_LENGTH for call in kept for name in call
+    ):
+        raise error(
+            f"Invalid 'journal_names': expected at most {MAX_NAMES} strings of at most {MAX_NAME_LENGTH} characters."
+        )
+    return kept
