@@ -89,8 +89,9 @@ class GradScaler(Face):
             inside its all-reduce poisons the scaler on every rank
             (:mod:`cupy_amp.distributed`).
         journal: Steps the step journal keeps (:meth:`journal`), an int from 0 (none) to
-            :data:`cupy_amp.journal.MAX_CAPACITY`. Steps whose gradients were on several devices
-            of one process are left out of it (each device's state saw only its own arrays).
+            :data:`cupy_amp.journal.MAX_CAPACITY`. Once this scaler has states in several places
+            (arrays on several devices of one process, or NumPy and CuPy arrays), its steps are left
+            out of the journal: each state saw only its own arrays.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -381,6 +382,8 @@ class GradScaler(Face):
         before, verdict, journals = self._unsure
         mirror = self._mirror  # replaced last: if it was, the states were already changed whole
         self._scaling.restore(mirror.config, mirror.state, *(verdict if mirror is before else self._scaling.verdict))
+        if mirror is before:  # the rule may run again (a retried update()): its journal entry needs the culprits
+            self._scaling.keep_culprits(*self._step.culprit_summary())  # the device's may have been begun over
         if journals is not None:
             self._scaling.load_journal(journals[0] if mirror is before else journals[1])
         self._unsure = None

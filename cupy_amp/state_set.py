@@ -142,6 +142,11 @@ class StateSet:
         """Return the journal of the first state, oldest first (on the GPU, synchronizes)."""
         return self.all()[0].journal()
 
+    def keep_culprits(self, count: int, first: tuple[int, int] | None) -> None:
+        """Set every state's count and first of the open step's culprits (after a repair, from the host's reads)."""
+        for state in self.all():
+            state.keep_culprits(count, first)
+
     def load_journal(self, entries: np.ndarray) -> None:
         """Replace every state's journal by ``entries`` (sorted by step)."""
         for state in self.all():

@@ -454,6 +454,11 @@ class Step:
         empty = StepClaims()
         self.claims, self.phase = empty, IDLE
 
+    def culprit_summary(self) -> tuple[int, tuple[int, int] | None]:
+        """Return how many gradients the step's records hold as culprits, and the first (call, position)."""
+        first = next(((number, min(r.culprits)) for number, r in enumerate(self.records) if r.culprits), None)
+        return sum(len(record.culprits or ()) for record in self.records), first
+
     def culprit_labels(self, read: Callable[[CallRecord], tuple[int, ...]]) -> list[Hashable]:
         """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
         return [record.labels[position] for record in self.records for position in read(record)]

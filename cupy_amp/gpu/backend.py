@@ -56,7 +56,8 @@ LAYOUT_FIXED = True
 
 _VOTE_OFFSET = STATE.fields["vote_count"][1]  # type: ignore[index]  # the pair unscale_and_check sums
 _FINITE_OFFSET = STATE.fields["finite"][1]  # type: ignore[index]
-_BAD_VOTES_OFFSET = STATE.fields["bad_votes"][1]  # type: ignore[index]
+_FIRST_CULPRIT_OFFSET = STATE.fields["first_culprit"][1]  # type: ignore[index]
+_CULPRITS_OFFSET = STATE.fields["culprits"][1]  # type: ignore[index]
 
 
 def as_array(obj: Any) -> Any | None:
@@ -156,6 +157,8 @@ class DeviceState:
         with _on_device(device):
             self._memory = cupy.zeros(STATE.itemsize, dtype=np.uint8)
             self._journal = cupy.zeros(capacity * journal.ENTRY.itemsize, dtype=np.uint8)  # the rule's ring
+            # No culprit yet (all ones): restore() keeps the open step's culprits, as it keeps its epoch.
+            self._memory[_FIRST_CULPRIT_OFFSET : _FIRST_CULPRIT_OFFSET + 8].fill(0xFF)
             # Loaded now, not at a first call that may come inside a CUDA graph capture (which cannot load modules).
             for entry in ENTRIES["step_state.cu"]:
                 launcher("step_state.cu", entry, threads=1)
@@ -266,14 +269,16 @@ class DeviceState:
         record["stats"] = self.stats.address
         record["journal"] = self._journal.data.ptr
         record["journal_capacity"] = self._journal.size // journal.ENTRY.itemsize
-        record["first_culprit"] = 2**64 - 1  # none: the step's culprits start again
         self.stats.record.closed()
         self._begun = False  # first: after an interrupt before the write, the next step only begins again
         with _on_device(self.device):
             cupy.cuda.runtime.deviceSynchronize()  # no queued step still uses the state
             # The count of impossible answers stays: it is the communicator's history, not the scaler's state,
             # and what new_bad_votes() handed out of it stays true at every line here.
-            record["bad_votes"] = self._memory[_BAD_VOTES_OFFSET : _BAD_VOTES_OFFSET + 8].view(np.uint64).get()[0]
+            (current,) = self._memory.get().view(STATE)
+            record["bad_votes"] = current["bad_votes"]
+            # The open step's culprits stay with its epoch: a repair mid-step keeps them for the journal's entry.
+            record["culprits"], record["first_culprit"] = current["culprits"], current["first_culprit"]
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             self.stats.skip.fill(1)  # a restored state's record says "skip" until a check() completes
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary
@@ -282,6 +287,19 @@ class DeviceState:
     def scale_loss(self, loss: cupy.ndarray) -> None:
         self.follow()
         scale_loss(loss, self.address)
+
+    def keep_culprits(self, count: int, first: tuple[int, int] | None) -> None:
+        """Set the open step's culprits for its journal entry (what the host read of them, after a repair;
+        synchronizes)."""
+        packed = 2**64 - 1 if first is None else first[0] << 32 | first[1]
+        with _on_device(self.device):
+            cupy.cuda.runtime.deviceSynchronize()
+            self._memory[_CULPRITS_OFFSET : _CULPRITS_OFFSET + 4].set(np.array([count], np.int32).view(np.uint8))
+            self._memory[_FIRST_CULPRIT_OFFSET : _FIRST_CULPRIT_OFFSET + 8].set(
+                np.array([packed], np.uint64).view(np.uint8)
+            )
+            cupy.cuda.runtime.deviceSynchronize()  # the host values are temporaries
+        self.order.settled()
 
     def begin_step(self) -> None:
         self.stats.record.closed()  # until this step's check() completes (the kernel writes "skip")

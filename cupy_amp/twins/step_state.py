@@ -69,10 +69,14 @@ class HostState:
         self.skip_statistics()
         self._finite[()] = not overflow
         self._config, self._state, self._found, self._epoch, self._updated = config, state, local, epoch, -1
-        self._culprits, self._first_culprit = 0, None
+        # The open step's culprits stay (the step and its epoch do): a repair mid-step keeps them for its entry.
 
     def scale_loss(self, loss: np.ndarray) -> None:
         scale_loss(loss, np.float32(self._state.scale))
+
+    def keep_culprits(self, count: int, first: tuple[int, int] | None) -> None:
+        """Set the open step's culprits for its journal entry (what the host read of them, after a repair)."""
+        self._culprits, self._first_culprit = count, first
 
     def begin_step(self) -> None:
         self.stats.record.closed()  # the step opens: its record says "skip" until its check() completes
@@ -188,9 +192,9 @@ class HostState:
         if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing
             before, overflow = self._state, not bool(self._finite)
             after = next_state(self._config, before, overflow, self._found)
-            self._state, self._updated = after, self._epoch
-            if len(self._journal):
+            if len(self._journal):  # first: an entry past the state's steps is not read, and a retry rewrites it
                 self._write_journal(before, after, overflow)
+            self._state, self._updated = after, self._epoch
 
     def _write_journal(self, before: ScalerState, after: ScalerState, overflow: bool) -> None:
         """Write the closed step's entry at its slot, as ``write_journal`` does on the device."""

@@ -82,6 +82,11 @@ def assert_next_steps_see_their_own_verdicts(scaler: Any, bad: bool, where: str)
         scaler.update()
     stats = scaler.stats()
     assert (stats.steps, stats.skipped_steps) == (3, int(bad) + 1), where
+    # The journal holds each step once, as the rule closed it (a retried or repaired update() rewrote it).
+    entries = scaler.journal()
+    assert entries["step"].tolist() == [1, 2, 3], where
+    assert entries["agreed"].tolist() == [int(bad), 1, 0], where
+    assert entries["culprits"].tolist() == [int(bad), 1, 0] and entries["culprit"].tolist()[1] == 1, where
     if isinstance(scaler, GradScaler):
         assert device_state(scaler).snapshot()[0] == scaler._mirror.state, where
 

@@ -100,6 +100,14 @@ def keeps_working(scaler: Any) -> None:
     scaler.update()
 
 
+def journaled_once(scaler: Any, bad: bool, where: str) -> None:
+    """The journal holds the one step once, as the rule closed it (a retried or repaired update() rewrote it)."""
+    (entry,) = scaler.journal()
+    assert (entry["step"], entry["scale"], entry["agreed"]) == (1, SCALE, int(bad)), where
+    assert entry["next_scale"] == (SCALE / 2 if bad else SCALE * 2), where
+    assert (entry["culprits"], entry["culprit"]) == ((1, 2) if bad else (0, -1)), where
+
+
 def sweep(attempt: Callable[[int], bool], least: int = 10) -> None:
     """Run ``attempt(k)`` for k = 1, 2, ... until the call runs through without reaching line k."""
     k = 1
@@ -194,8 +202,10 @@ def test_update_interrupted_at_any_line_applies_the_rule_once(face: type, bad: b
         stats = scaler.stats()
         assert (stats.steps, stats.skipped_steps) == (1, int(bad)), f"line {k}"
         assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), f"line {k}: the rule applied twice"
+        journaled_once(scaler, bad, f"line {k}")
         finish_step(scaler)
         keeps_working(scaler)
+        assert scaler.journal()["step"].tolist() == [1, 2], f"line {k}"
         return True
 
     sweep(attempt)
@@ -254,6 +264,7 @@ def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
             assert (stats.steps, stats.skipped_steps) == (1, int(bad)), where
             assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), where
             assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state, where  # what kernels read
+            journaled_once(scaler, bad, where)
             scaler.scale_loss(np.ones((), np.float32))
             assert bool(scaler.unscale_and_check(gradients(False))), f"{where}: the next step is not clean"
             second_line += 1

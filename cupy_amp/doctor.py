@@ -1,0 +1,172 @@
+"""What a scaler's step journal shows, in plain words with the evidence: ``cupy-amp doctor FILE``.
+
+Each rule below reads the journal a checkpoint carries (:mod:`cupy_amp.journal`) and either finds its
+pattern, with the steps, names and numbers that show it, or stays silent; a journal where none finds a
+problem is reported as healthy. The thresholds are stated with each rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from cupy_amp import journal as step_journal
+from cupy_amp.checkpoint import GradScalerCheckpoint
+
+__all__ = ["SKIP_RATE", "Finding", "diagnose"]
+
+SKIP_RATE = 0.05  # more skipped steps than this fraction of the journal is a problem
+_SOURCE_STEPS = 3  # overflows with the same first culprit, at scales at least _SOURCE_SPAN apart...
+_SOURCE_SPAN = 8.0  # ...or down at the floor: the scale is not what makes that gradient inf/nan
+_PINNED = 3  # growths stopped by max_scale with no overflow between them: the ceiling holds the scale down
+_BLOCKING = 3  # overflows closer than growth_interval, with no growth in the journal: growth is blocked
+_SOURCE_SHARE = 0.75  # of the overflows from a gradient's first to its last: it is the first culprit of most
+
+
+class Finding(NamedTuple):
+    """One thing the journal shows: ``kind`` names the rule, ``problem`` says whether to act on it."""
+
+    kind: str
+    problem: bool
+    summary: str
+    evidence: dict[str, Any]
+
+
+def diagnose(checkpoint: GradScalerCheckpoint) -> list[Finding]:
+    """Return what ``checkpoint``'s journal shows: the problems found, or one "healthy" finding."""
+    entries = checkpoint.journal_entries()
+    if len(entries) == 0:
+        return [
+            Finding(
+                "no journal",
+                False,
+                "The checkpoint holds no step journal (an older format version, or a scaler with journal=0): "
+                "there is nothing to diagnose.",
+                {},
+            )
+        ]
+    names = checkpoint.journal_names
+    findings = [
+        finding
+        for rule in (_inf_source, _skip_rate, _low_ceiling, _growth_blocked)
+        for finding in rule(checkpoint, entries, names)
+    ]
+    if not findings:
+        scales = entries["scale"]
+        findings.append(
+            Finding(
+                "healthy",
+                False,
+                f"Healthy: {len(entries)} steps (from step {entries['step'][0]} to {entries['step'][-1]}), "
+                f"{int(entries['agreed'].sum())} skipped, the scale between {float(scales.min()):g} and "
+                f"{float(scales.max()):g}.",
+                _span(entries),
+            )
+        )
+    return findings
+
+
+def _span(entries: np.ndarray) -> dict[str, Any]:
+    return {"steps": len(entries), "first_step": int(entries["step"][0]), "last_step": int(entries["step"][-1])}
+
+
+def _name(names: tuple[tuple[str, ...], ...], call: int, position: int) -> str:
+    """A culprit's name where the last step's calls name it, else its place (call, position)."""
+    if 0 <= call < len(names) and 0 <= position < len(names[call]):
+        return names[call][position]
+    return f"call {call}, position {position}"
+
+
+def _inf_source(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """The same gradient held inf/nan first in overflow after overflow (at least 3, and 3 in 4 of the overflows
+    from its first to its last), at scales 8x apart or at the floor: the scale is not the cause (a smaller
+    scale cannot make an inf finite), so the scale falls for nothing."""
+    floor = checkpoint.min_scale if checkpoint.min_scale is not None else 0.0
+    bad = entries[(entries["local"] == 1) & (entries["culprit"] >= 0)]
+    findings = []
+    for call, position in sorted({(int(e["culprit_call"]), int(e["culprit"])) for e in bad}):
+        mine = bad[(bad["culprit_call"] == call) & (bad["culprit"] == position)]
+        low, high = float(mine["scale"].min()), float(mine["scale"].max())
+        first, last = int(mine["step"][0]), int(mine["step"][-1])
+        during = int(np.sum((entries["agreed"] == 1) & (entries["step"] >= first) & (entries["step"] <= last)))
+        spread = high >= _SOURCE_SPAN * low or low <= max(floor, 1.0)
+        if len(mine) >= _SOURCE_STEPS and spread and len(mine) >= _SOURCE_SHARE * during:
+            name = _name(names, call, position)
+            steps = mine["step"].tolist()
+            findings.append(
+                Finding(
+                    "inf source",
+                    True,
+                    f"Gradient {name!r} held inf/nan first in {len(mine)} skipped steps, at every scale from "
+                    f"{high:g} down to {low:g}: the scale is not the cause. Look at what computes {name!r} "
+                    f"(a log or a division of 0, a bad batch, a learning rate that diverged) from step {steps[0]}.",
+                    {"gradient": name, "steps": steps, "scales": mine["scale"].tolist()},
+                )
+            )
+    return findings
+
+
+def _skip_rate(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """More than SKIP_RATE of the journal's steps skipped."""
+    skipped = entries[entries["agreed"] == 1]
+    rate = len(skipped) / len(entries)
+    if rate <= SKIP_RATE:
+        return []
+    remote = int(np.sum(skipped["local"] == 0))
+    where = f" ({remote} of them overflowed on other ranks only)" if remote else ""
+    return [
+        Finding(
+            "skip rate",
+            True,
+            f"{len(skipped)} of {len(entries)} steps were skipped ({rate:.0%}, above {SKIP_RATE:.0%}){where}: each "
+            f"skipped step is a lost update. The backoffs: {int(np.sum(entries['action'] == step_journal.BACKED_OFF))}.",
+            {**_span(entries), "skipped": skipped["step"].tolist(), "rate": rate},
+        )
+    ]
+
+
+def _low_ceiling(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """Growths stopped by max_scale, at least _PINNED of them after the last overflow: the clean steps would
+    have let the scale grow, so gradients keep less headroom against underflow than they could."""
+    overflows = np.flatnonzero(entries["agreed"] == 1)
+    after = entries[overflows[-1] + 1 :] if len(overflows) else entries
+    pinned = after[after["action"] == step_journal.AT_CEILING]
+    if len(pinned) < _PINNED:
+        return []
+    return [
+        Finding(
+            "ceiling too low",
+            True,
+            f"The scale sat at max_scale = {float(pinned['scale'][-1]):g} through {len(after)} clean steps (from step "
+            f"{int(after['step'][0])}), and {len(pinned)} growths were stopped there with no overflow: raise "
+            f"max_scale (or pass max_scale=None) so that small gradients keep more headroom against underflow.",
+            {"steps": pinned["step"].tolist(), "max_scale": float(pinned["scale"][-1])},
+        )
+    ]
+
+
+def _growth_blocked(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """No growth in a journal of at least two growth intervals, with overflows (at least 3) closer together
+    than growth_interval (the median gap): each resets the count of clean steps, so the scale cannot grow.
+    Hysteresis holds the scale at the first overflows after a growth, and never refills without one."""
+    interval = checkpoint.growth_interval
+    overflows = entries["step"][entries["agreed"] == 1].astype(np.int64)
+    if np.any(entries["action"] == step_journal.GREW) or len(entries) < 2 * interval or len(overflows) < _BLOCKING:
+        return []
+    gap = float(np.median(np.diff(overflows)))
+    if gap >= interval:
+        return []
+    held = int(np.sum(entries["action"] == step_journal.HELD))
+    by = f", {held} of them held by hysteresis (hysteresis = {checkpoint.hysteresis}, refilled only by a growth)"
+    return [
+        Finding(
+            "growth blocked by hysteresis" if held else "growth blocked",
+            True,
+            f"The scale never grew in {len(entries)} steps: overflows came every {gap:g} steps (median), sooner than "
+            f"growth_interval = {interval}, and each resets the count of clean steps ({len(overflows)} "
+            f"overflows{by if held else ''}). Find what overflows; a shorter growth_interval only helps if the "
+            f"overflows are rare.",
+            {"overflows": overflows.tolist(), "median_gap": gap, "held": held},
+        )
+    ]

@@ -1,0 +1,149 @@
+"""The step journal on a real GPU: the device's entries are the NumPy path's, in eager steps and in graph replays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import capture
+
+cupy = pytest.importorskip("cupy")
+
+from cupy_amp import GradScaler, GradScalerCheckpoint, SyncFreeGradScaler, journal  # noqa: E402
+
+FACES = [GradScaler, SyncFreeGradScaler]
+BIG = 70_000  # float16 elements: several chunks of one tensor, so several blocks may find its inf
+
+
+def gradients(xp: Any, planted: tuple[int, ...]) -> dict[str, Any]:
+    """Four gradients of exactly summable values (any order of the sum gives the same bits), with inf planted
+    in the gradients at ``planted`` (the big one in two far-apart chunks)."""
+    grads = {
+        "embed": xp.full(BIG, 0.5, xp.float16),
+        "w": xp.asarray(np.arange(6, dtype=np.float32).reshape(3, 2).T),  # transposed: strided
+        "b": xp.full(5, 2.0, xp.float16),
+        "head": xp.full(4, -1.0, xp.float32),
+    }
+    for position in planted:
+        name = list(grads)[position]
+        grads[name][(-1,) * grads[name].ndim] = xp.inf  # an index, not a reshape: "w" is a strided view
+        if name == "embed":
+            grads[name][7] = -xp.inf
+    return grads
+
+
+# (planted culprits, how the step passes its gradients): one unscale_and_check, two calls, or check().
+SCRIPT = [
+    ((), "one"), ((), "check"), ((3,), "one"), ((), "two"), ((0, 2), "two"), ((), "one"), ((), "one"),
+    ((1,), "check"), ((), "check"), ((2, 3), "one"), ((), "two"), ((), "one"),
+]  # fmt: skip
+
+
+def run(face: type, xp: Any) -> tuple[np.ndarray, tuple[tuple[str, ...], ...], list[str]]:
+    scaler = face(init_scale=2.0**10, growth_interval=2, hysteresis=2, max_scale=2.0**12)
+    seen = []
+    for planted, mode in SCRIPT:
+        grads = gradients(xp, planted)
+        scaler.scale_loss(xp.ones((), xp.float32))
+        if mode == "check":
+            scaler.check(grads, max_norm=3.0)
+        elif mode == "two":
+            items = list(grads.items())
+            scaler.unscale_and_check(dict(items[:2]))
+            scaler.unscale_and_check([value for _, value in items[2:]])
+        else:
+            scaler.unscale_and_check(grads)
+        scaler.update()
+        seen.append(str(scaler.nonfinite_gradients()))
+    return scaler.journal(), scaler.journal_names(), seen
+
+
+@pytest.mark.parametrize("face", FACES, ids=lambda face: face.__name__)
+def test_the_devices_journal_is_the_numpy_paths_bit_for_bit(face: type) -> None:
+    host, host_names, host_seen = run(face, np)
+    device, device_names, device_seen = run(face, cupy)
+    assert device_seen == host_seen
+    assert device_names == host_names
+    assert len(device) == len(SCRIPT)
+    assert device.tobytes() == host.tobytes()
+    # The entries say what happened: counts (a tensor counted once, however many blocks found it), the first
+    # culprit, the skips, and check()'s norm only in check() steps.
+    assert device["culprits"].tolist() == [len(planted) for planted, _ in SCRIPT]
+    assert device["agreed"].tolist() == [int(bool(planted)) for planted, _ in SCRIPT]
+    checked = np.array([mode == "check" for _, mode in SCRIPT])
+    assert np.isnan(device["norm"][~checked]).all() and not np.isnan(device["norm"][checked]).any()
+    fifth = device[4]  # two calls; inf in "embed" (call 0, position 0) and "b" (call 1, position 0)
+    assert (fifth["culprit_call"], fifth["culprit"]) == (0, 0)
+    tenth = device[9]  # one call; inf in "b" and "head"
+    assert device_names[tenth["culprit_call"]][tenth["culprit"]] == "b"
+    assert set(device["action"].tolist()) >= {journal.KEPT, journal.GREW, journal.HELD, journal.BACKED_OFF}
+
+
+def test_a_captured_step_journals_every_replay() -> None:
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        grad = cupy.full(BIG, 0.25, cupy.float16)
+        scaler = SyncFreeGradScaler(init_scale=2.0**8, growth_interval=3)
+        prepared = scaler.prepare([grad])
+        loss = cupy.ones((), cupy.float32)
+        scaler.scale_loss(loss)
+        scaler.check(prepared, max_norm=1.0)
+        scaler.update()
+        graph = capture(stream, lambda: (scaler.scale_loss(loss), scaler.check(prepared, max_norm=1.0), scaler.update()))
+        reference = GradScaler(init_scale=2.0**8, growth_interval=3)
+        host = np.full(BIG, 0.25, np.float16)
+        reference.scale_loss(np.ones((), np.float32))
+        reference.check([host.copy()], max_norm=1.0)
+        reference.update()
+        for replay in range(10):
+            grad.fill(0.25)
+            planted = host.copy()
+            if replay in (2, 3, 7):
+                grad[BIG - 1] = cupy.inf
+                planted[BIG - 1] = np.inf
+            graph.launch(stream)
+            reference.scale_loss(np.ones((), np.float32))
+            reference.check([planted], max_norm=1.0)
+            reference.update()
+        stream.synchronize()
+    assert scaler.journal().tobytes() == reference.journal().tobytes()
+    assert scaler.journal()["culprits"].tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("face", FACES, ids=lambda face: face.__name__)
+def test_a_checkpoint_carries_the_journal_to_a_scaler_on_the_gpu(face: type) -> None:
+    entries, names, _ = run(face, cupy)
+    scaler = face(init_scale=2.0**10, growth_interval=2, hysteresis=2, max_scale=2.0**12)
+    for planted, _mode in SCRIPT:
+        scaler.scale_loss(cupy.ones((), cupy.float32))
+        scaler.unscale_and_check(gradients(cupy, planted))
+        scaler.update()
+    saved = GradScalerCheckpoint.from_bytes(scaler.checkpoint().to_bytes())
+    resumed = face(journal=5)
+    resumed.scale_loss(cupy.ones((), cupy.float32))  # placed on the GPU before the load
+    resumed.unscale_and_check([cupy.ones(3, cupy.float32)])
+    resumed.update()
+    resumed.load_checkpoint(saved)
+    assert resumed.journal().tobytes() == saved.journal_entries()[-5:].tobytes()  # the newest that fit
+    assert resumed.journal_names() == saved.journal_names
+    resumed.scale_loss(cupy.ones((), cupy.float32))
+    resumed.unscale_and_check(gradients(cupy, (1,)))
+    resumed.update()
+    after = resumed.journal()
+    assert after["step"].tolist() == list(range(len(SCRIPT) - 3, len(SCRIPT) + 2))
+    assert (after[-1]["culprits"], after[-1]["culprit"]) == (1, 1)
+
+
+def test_a_scaler_placed_on_the_gpu_keeps_the_steps_it_made_before_any_array() -> None:
+    # A guard's steps need no scale_loss: its first step (a rank without gradients) runs on the state that
+    # stands for the scaler before any array; the state placed on the GPU then carries that step's entry.
+    scaler = GradScaler.guard()
+    scaler.unscale_and_check([])
+    scaler.update()
+    scaler.unscale_and_check([cupy.ones(2, cupy.float32), cupy.array([cupy.nan], cupy.float32)])
+    scaler.update()
+    entries = scaler.journal()
+    assert entries["step"].tolist() == [1, 2]
+    assert entries["agreed"].tolist() == [0, 1] and entries["culprit"].tolist() == [-1, 1]
+    assert entries["action"].tolist() == [journal.KEPT, journal.AT_FLOOR]

@@ -1,0 +1,111 @@
+"""cupy-amp doctor: each planted fault, run through a real scaler and saved, is recognised, and told apart."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from cupy_amp import GradScaler
+from cupy_amp.cli import main
+from cupy_amp.doctor import diagnose
+
+Planted = Callable[[int], set[str]]  # step -> the gradients that hold inf/nan in it
+
+
+def train(path: Path, planted: Planted, steps: int, **config: Any) -> Path:
+    """Run ``steps`` steps of a GradScaler over three named gradients with inf planted as ``planted`` says,
+    and save its checkpoint to ``path``."""
+    scaler = GradScaler(**config)
+    for step in range(steps):
+        grads = {name: np.full(4, 0.5, np.float32) for name in ("embed", "attn.w", "head")}
+        for name in planted(step):
+            grads[name][1] = np.inf
+        scaler.scale_loss(np.ones((), np.float32))
+        scaler.unscale_and_check(grads)
+        scaler.update()
+    scaler.checkpoint().save(path)
+    return path
+
+
+def kinds(path: Path) -> set[str]:
+    from cupy_amp.checkpoint import GradScalerCheckpoint
+
+    return {finding.kind for finding in diagnose(GradScalerCheckpoint.load(path))}
+
+
+def test_a_healthy_run_is_reported_healthy(tmp_path: Path) -> None:
+    path = train(tmp_path / "ok.ckpt", lambda step: {"head"} if step == 40 else set(), 200, growth_interval=50)
+    assert kinds(path) == {"healthy"}
+
+
+def test_a_gradient_that_is_inf_at_every_scale_is_named_as_the_source(tmp_path: Path) -> None:
+    # From step 20 on, "attn.w" is inf whatever the scale: the scale collapses to its floor of 1.
+    path = train(tmp_path / "source.ckpt", lambda step: {"attn.w"} if step >= 20 else set(), 60, init_scale=2.0**10)
+    assert kinds(path) == {"inf source", "skip rate"}
+    (source,) = [f for f in diagnose_file(path) if f.kind == "inf source"]
+    assert source.evidence["gradient"] == "attn.w" and "attn.w" in source.summary
+    assert source.evidence["steps"][0] == 21 and min(source.evidence["scales"]) == 1.0
+
+
+def test_a_ceiling_that_holds_the_scale_down_is_found(tmp_path: Path) -> None:
+    path = train(tmp_path / "ceiling.ckpt", lambda step: set(), 40, init_scale=4.0, growth_interval=2, max_scale=16.0)
+    assert kinds(path) == {"ceiling too low"}
+
+
+def test_a_high_skip_rate_without_a_single_source_is_only_a_skip_rate(tmp_path: Path) -> None:
+    # Every 8th step overflows, each time in another gradient, at scales that barely move.
+    names = ("embed", "attn.w", "head")
+    path = train(
+        tmp_path / "skips.ckpt", lambda step: {names[step // 8 % 3]} if step % 8 == 7 else set(), 120, growth_interval=4
+    )
+    assert kinds(path) == {"skip rate"}
+
+
+def test_growth_blocked_by_hysteresis_is_found(tmp_path: Path) -> None:
+    # An overflow every 5th step, in turn in each gradient, resets the clean count before growth_interval = 6:
+    # the scale never grows; hysteresis 3 holds it at the first two overflows, then it backs off at each.
+    names = ("embed", "attn.w", "head")
+    path = train(
+        tmp_path / "held.ckpt",
+        lambda step: {names[step % 3]} if step % 5 == 4 else set(),
+        60,
+        growth_interval=6,
+        hysteresis=3,
+    )
+    assert kinds(path) == {"growth blocked by hysteresis", "skip rate"}
+
+
+def diagnose_file(path: Path) -> list[Any]:
+    from cupy_amp.checkpoint import GradScalerCheckpoint
+
+    return diagnose(GradScalerCheckpoint.load(path))
+
+
+def test_the_command_prints_each_finding_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = train(tmp_path / "source.ckpt", lambda step: {"attn.w"} if step >= 5 else set(), 30, init_scale=2.0**8)
+    assert main(["doctor", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("PROBLEM  inf source: Gradient 'attn.w'")
+    assert main(["doctor", "--json", str(path)]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {row["kind"] for row in rows} == {"inf source", "skip rate"} and all(row["problem"] for row in rows)
+
+
+def test_an_old_checkpoint_has_no_journal_to_diagnose(capsys: pytest.CaptureFixture[str]) -> None:
+    old = Path(__file__).parent.parent / "data" / "grad_scaler_v2.ckpt"
+    assert main(["doctor", str(old)]) == 0
+    assert capsys.readouterr().out.startswith("OK  no journal:")
+
+
+def test_a_file_that_is_not_a_checkpoint_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.ckpt"
+    bad.write_bytes(b"not a checkpoint")
+    assert main(["doctor", str(bad)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cupy-amp doctor:") and len(err.splitlines()) == 1
+    assert main(["doctor", str(tmp_path / "missing.ckpt")]) == 1
