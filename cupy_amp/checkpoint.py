@@ -140,7 +140,8 @@ class GradScalerCheckpoint:
         )
 
     def journal_entries(self) -> np.ndarray:
-        """Return the step journal's entries, oldest first, as a NumPy structured array (:data:`cupy_amp.journal.ENTRY`)."""
+        """Return the step journal's entries, oldest first, as a NumPy structured array
+        (:data:`cupy_amp.journal.ENTRY`)."""
         return step_journal.from_bytes(self.journal, self.steps)
 
     def config(self) -> ScalerConfig:
@@ -166,7 +167,9 @@ class GradScalerCheckpoint:
         """
         names = [field.name for field in dataclasses.fields(cls)]
         optional = ("journal", "journal_names")  # a dict of an older version's fields: no journal
-        present = [name for name in names if name not in optional or name in fields] if isinstance(fields, Mapping) else names
+        present = (
+            [name for name in names if name not in optional or name in fields] if isinstance(fields, Mapping) else names
+        )
         expect_exactly(fields, present, "Invalid checkpoint", "field")
         return cls(**{name: fields[name] for name in present})
 
@@ -218,6 +221,7 @@ class GradScalerCheckpoint:
                 "there is no scale to carry over."
             )
         expect_exactly(state_dict, TORCH_STATE_DICT_KEYS, "Invalid PyTorch state dict", "key")
+        counters: dict[str, Any] = dict.fromkeys(_COUNTERS, 0)  # typed: the journal's fields follow them
         return cls(
             scale=state_dict["scale"],
             growth_factor=state_dict["growth_factor"],
@@ -231,7 +235,7 @@ class GradScalerCheckpoint:
             max_scale=None,
             hysteresis=1,
             hysteresis_tracker=1,
-            **dict.fromkeys(_COUNTERS, 0),
+            **counters,
         )
 
     def to_bytes(self) -> bytes:

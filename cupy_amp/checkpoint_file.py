@@ -56,10 +56,10 @@ MAX_CHECKPOINT_BYTES = 1 << 20
 FILE_PREFIX = b"\x84" + msgpack.packb("format") + msgpack.packb(FORMAT_NAME)
 _TRAILER = 5  # 0xCE, msgpack's uint32 marker, then the CRC-32
 # Fewer than 20 scalar fields, a journal of at most 16384 entries of 40 bytes, and at most 4096 names of
-# at most 128 characters (cupy_amp.journal); a little room is left so that a value of the wrong kind is
-# reported by field name rather than as unreadable bytes.
+# at most 128 characters (cupy_amp.journal), which UTF-8 writes in up to 4 bytes each; a little room is left
+# so that a value of the wrong kind is reported by field name rather than as unreadable bytes.
 _LIMITS = {
-    "max_str_len": 256, "max_bin_len": 16384 * 40, "max_array_len": 4096, "max_map_len": 32, "max_ext_len": 0,
+    "max_str_len": 128 * 4, "max_bin_len": 16384 * 40, "max_array_len": 4096, "max_map_len": 32, "max_ext_len": 0,
 }  # fmt: skip
 _NESTED = ("journal", "journal_names")  # the fields that are not scalars (judged by GradScalerCheckpoint)
 
@@ -81,7 +81,8 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[int, dict[str, object]
     Raises:
         CheckpointCorruptError: The bytes are not an intact state file.
         CheckpointVersionError: They were written by a newer format version.
-        CheckpointFieldError: A value is not a scalar, or a version-1 payload lacks or adds a field.
+        CheckpointFieldError: A value is not a scalar (the journal's two fields aside), a version-1 payload
+            lacks or adds a field, a version-2 payload holds a journal field or a current one lacks one.
         ArgumentTypeError: ``data`` is not bytes-like (a ``TypeError``).
     """
     if not isinstance(data, (bytes, bytearray, memoryview)):
@@ -120,9 +121,8 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[int, dict[str, object]
             f"written in format version {version}, newer than this cupy-amp can read (up to version "
             f"{FORMAT_VERSION}); upgrade cupy-amp to load it."
         )
-    fields = _entry(unpacker, "payload")
-    if type(fields) is not dict:
-        raise CheckpointCorruptError(f"Invalid 'payload': expected a msgpack map of fields, got {_describe(fields)}.")
+    _unpack(unpacker, "the 'payload' key", expect="payload")
+    fields = _payload(unpacker)
     for name, value in fields.items():
         if name not in _NESTED and not isinstance(value, (type(None), bool, int, float, str)):
             raise CheckpointFieldError(
@@ -133,7 +133,38 @@ def decode(data: bytes | bytearray | memoryview) -> tuple[int, dict[str, object]
         raise CheckpointCorruptError("unexpected bytes between the 'crc32' key and the CRC-32 at the end of the file.")
     for older in range(version, FORMAT_VERSION):
         fields = _MIGRATIONS[older](fields)
+    missing = [name for name in _NESTED if name not in fields]  # a migration adds them: only a current payload lacks
+    if missing:
+        raise CheckpointFieldError(
+            f"Invalid checkpoint: missing field(s) {', '.join(map(repr, missing))} of format version {version}."
+        )
     return version, fields
+
+
+def _payload(unpacker: msgpack.Unpacker) -> dict[str, object]:
+    """Read the payload map entry by entry, so that a value the parser refuses (over a length limit, say) is
+    reported under its field's name; a payload that is not a map is read whole, to say what it is."""
+    try:
+        count = unpacker.read_map_header()
+    except msgpack.OutOfData as exc:
+        raise CheckpointCorruptError("the data ends inside the 'payload' value: the file is truncated.") from exc
+    except Exception:  # not a map header: nothing was consumed
+        value = _unpack(unpacker, "the 'payload' value")
+        raise CheckpointCorruptError(
+            f"Invalid 'payload': expected a msgpack map of fields, got {_describe(value)}."
+        ) from None
+    if count > _LIMITS["max_map_len"]:  # as the parser checks every other map
+        raise CheckpointCorruptError(
+            f"the 'payload' value is not valid msgpack (a map of {count} entries exceeds "
+            f"max_map_len({_LIMITS['max_map_len']}))."
+        )
+    pairs: list[tuple[object, object]] = []
+    for _ in range(count):
+        key = _unpack(unpacker, "a 'payload' key")
+        if not isinstance(key, str):
+            raise CheckpointCorruptError(f"a map key must be a string, got {_describe(key)}.")
+        pairs.append((key, _unpack(unpacker, f"the {key!r} value")))
+    return _map(pairs)
 
 
 def _entry(unpacker: msgpack.Unpacker, key: str) -> object:
@@ -219,7 +250,9 @@ def _upgrade_v1(fields: dict[str, object]) -> dict[str, object]:
 def _upgrade_v2(fields: dict[str, object]) -> dict[str, object]:
     """Return the version-3 fields of a version-2 payload: no journal and no names (its fields are judged later)."""
     if any(name in fields for name in _NESTED):
-        raise CheckpointFieldError(f"Invalid checkpoint: unknown field(s) {', '.join(map(repr, _NESTED))} for format version 2.")
+        raise CheckpointFieldError(
+            f"Invalid checkpoint: unknown field(s) {', '.join(map(repr, _NESTED))} for format version 2."
+        )
     return {**fields, "journal": b"", "journal_names": []}
 
 

@@ -5,6 +5,7 @@ Subcommands::
     cupy-amp inspect FILE [--json]   print a file's fields
     cupy-amp inspect --torch FILE    print a checkpoint as PyTorch's GradScaler.state_dict(), as JSON
     cupy-amp validate FILE...        check that files are intact, valid checkpoints or optimizer states
+    cupy-amp doctor FILE [--json]    say what a checkpoint's step journal shows (cupy_amp.doctor)
     cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
 ``inspect`` and ``validate`` take scaler checkpoints (``GradScalerCheckpoint.save``)
@@ -25,13 +26,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import warnings
 from collections.abc import Sequence
 from typing import TextIO
 
+import numpy as np
+
 from cupy_amp import __version__
+from cupy_amp import journal as step_journal
 from cupy_amp._fileio import read_file_start
 from cupy_amp.checkpoint import read_checkpoint
 from cupy_amp.checkpoint_file import FILE_PREFIX, FORMAT_NAME, FORMAT_VERSION
@@ -88,7 +93,8 @@ def _parser() -> argparse.ArgumentParser:
         "--json",
         action="store_true",
         help='print {"format": ..., "version": ..., "fields": {...}} as JSON: the version the file was written in, '
-        "the fields as read (an older file upgraded to the current version); floats are exact",
+        "the fields as read (an older file upgraded to the current version); floats are exact; the journal is a list "
+        'of entries (NaN as null, infinities as "inf" and "-inf"), its names a list of lists',
     )
     inspect.add_argument(
         "--torch",
@@ -106,6 +112,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     validate.add_argument("files", metavar="FILE", nargs="+", help="checkpoints or optimizer states to check")
     validate.set_defaults(command=_validate)
+
+    doctor = subcommands.add_parser(
+        "doctor",
+        help="say what a checkpoint's step journal shows",
+        description="Read the step journal a scaler checkpoint holds and say, in plain words with the evidence "
+        "(steps, gradient names, scales), what it shows: a gradient that is inf/nan whatever the scale, a skip "
+        "rate above 5%%, a max_scale that holds the scale down, growth blocked by hysteresis, or a healthy run.",
+    )
+    doctor.add_argument("file", metavar="FILE", help="a scaler checkpoint (GradScalerCheckpoint.save())")
+    doctor.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    doctor.set_defaults(command=_doctor)
 
     # Listed for --help; `cupy-amp demo ...` is handed to the demo's own parser before this one runs.
     subcommands.add_parser("demo", help="train a small fp16 classifier with the loss scaler (cupy-amp demo --help)")
@@ -126,7 +143,7 @@ def _load(path: str) -> tuple[str, int, dict[str, object]]:
         start = read_file_start(path, max(len(FILE_PREFIX), len(state_file.FILE_PREFIX)), CheckpointError)
         if start.startswith(FILE_PREFIX):
             version, checkpoint = read_checkpoint(path)
-            return FORMAT_NAME, version, checkpoint.to_dict()
+            return FORMAT_NAME, version, {**checkpoint.to_dict(), "journal": checkpoint.journal_entries()}
         if start.startswith(state_file.FILE_PREFIX):
             return _load_optimizer_state(path)
     except OSError as exc:
@@ -169,7 +186,9 @@ def _inspect(args: argparse.Namespace) -> int:
     if args.torch:
         return _print_torch_state_dict(args.file, format_name)
     if args.json:
-        _print(json.dumps({"format": format_name, "version": version, "fields": fields}, indent=2), sys.stdout)
+        shown = {name: _json_value(value) for name, value in fields.items()}
+        document = {"format": format_name, "version": version, "fields": shown}
+        _print(json.dumps(document, indent=2, allow_nan=False), sys.stdout)
         return EXIT_OK
     upgraded = ""
     if format_name == FORMAT_NAME and version != FORMAT_VERSION:
@@ -212,6 +231,27 @@ def _validate(args: argparse.Namespace) -> int:
     return status
 
 
+def _doctor(args: argparse.Namespace) -> int:
+    from cupy_amp.doctor import diagnose
+
+    try:
+        _, checkpoint = read_checkpoint(args.file)
+    except OSError as exc:
+        _print(f"cupy-amp doctor: {args.file!r}: cannot read: {exc.strerror or exc}.", sys.stderr)
+        return EXIT_INVALID
+    except CheckpointError as exc:
+        _print(f"cupy-amp doctor: {exc}", sys.stderr)
+        return EXIT_INVALID
+    findings = diagnose(checkpoint)
+    if args.json:
+        rows = [finding._asdict() for finding in findings]
+        _print(json.dumps(rows, indent=2, allow_nan=False), sys.stdout)
+        return EXIT_OK
+    for finding in findings:
+        _print(f"{'PROBLEM' if finding.problem else 'OK'}  {finding.kind}: {finding.summary}", sys.stdout)
+    return EXIT_OK
+
+
 def _print(text: str, stream: TextIO) -> None:
     """Write one line that the stream can always encode (undecodable file names come out escaped)."""
     encoding = getattr(stream, "encoding", None) or "utf-8"
@@ -223,7 +263,13 @@ _NO_CLAMP = {"min_scale": "no floor", "max_scale": "no ceiling"}
 
 
 def _format_value(name: str, value: object) -> str:
-    """Format a field exactly; the scale and its clamps also as powers of two where that is short."""
+    """Format a field exactly; the scale and its clamps also as powers of two where that is short; the journal
+    and its names in one line each."""
+    if isinstance(value, np.ndarray):
+        return _journal_summary(value)
+    if name == "journal_names" and isinstance(value, tuple):
+        names, calls = sum(len(call) for call in value), len(value)
+        return f"{names} {_plural(names, 'name')} in {calls} {_plural(calls, 'call')}" if calls else "none"
     if value is None and name in _NO_CLAMP:
         return f"None ({_NO_CLAMP[name]})"
     if name not in ("scale", "min_scale", "max_scale") or not isinstance(value, float):
@@ -231,3 +277,53 @@ def _format_value(name: str, value: object) -> str:
     exact = str(int(value)) if value.is_integer() and value < 2.0**53 else repr(value)
     power = power_of_two(value)
     return exact if power is None else f"{exact} ({power})"
+
+
+def _plural(count: int, word: str) -> str:
+    return word if count == 1 else f"{word}s"
+
+
+def _journal_summary(entries: np.ndarray) -> str:
+    """``N steps (from step a to b): S skipped, B backed off, G grew``, or ``empty``."""
+    if len(entries) == 0:
+        return "empty"
+    first, last = int(entries["step"][0]), int(entries["step"][-1])
+    span = f"step {first}" if len(entries) == 1 else f"from step {first} to {last}"
+    skipped = int(np.count_nonzero(entries["agreed"]))
+    backed_off = int(np.count_nonzero(entries["action"] == step_journal.BACKED_OFF))
+    grew = int(np.count_nonzero(entries["action"] == step_journal.GREW))
+    return (
+        f"{len(entries)} {_plural(len(entries), 'step')} ({span}): {skipped} skipped, {backed_off} backed off, "
+        f"{grew} grew"
+    )
+
+
+def _json_value(value: object) -> object:
+    """A field as strict JSON holds it: the journal as one object per entry, its names as lists."""
+    if isinstance(value, np.ndarray):
+        return [_json_entry(entry) for entry in value]
+    if isinstance(value, tuple):
+        return [_json_value(item) for item in value]
+    if isinstance(value, float):
+        return _json_float(value)
+    return value
+
+
+def _json_entry(entry: np.void) -> dict[str, object]:
+    """A journal entry's fields by name (the action also by its name in cupy_amp.journal.ACTIONS)."""
+    shown: dict[str, object] = {}
+    for name in entry.dtype.names or ():
+        value = entry[name].item()
+        shown[name] = _json_float(value) if isinstance(value, float) else value
+        if name == "action":
+            shown["action_name"] = step_journal.ACTIONS.get(value)
+    return shown
+
+
+def _json_float(value: float) -> float | str | None:
+    """NaN as null and the infinities as "inf" and "-inf", which strict JSON has no numbers for."""
+    if math.isnan(value):
+        return None
+    if math.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value

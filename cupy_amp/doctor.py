@@ -115,12 +115,13 @@ def _skip_rate(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any
         return []
     remote = int(np.sum(skipped["local"] == 0))
     where = f" ({remote} of them overflowed on other ranks only)" if remote else ""
+    backoffs = int(np.sum(entries["action"] == step_journal.BACKED_OFF))
     return [
         Finding(
             "skip rate",
             True,
             f"{len(skipped)} of {len(entries)} steps were skipped ({rate:.0%}, above {SKIP_RATE:.0%}){where}: each "
-            f"skipped step is a lost update. The backoffs: {int(np.sum(entries['action'] == step_journal.BACKED_OFF))}.",
+            f"skipped step is a lost update. The backoffs: {backoffs}.",
             {**_span(entries), "skipped": skipped["step"].tolist(), "rate": rate},
         )
     ]

@@ -280,8 +280,9 @@ class Face:
     def checkpoint(self) -> GradScalerCheckpoint:
         """Return the complete state, to resume bit for bit; either scaler loads it.
 
-        ``GradScaler``'s never synchronizes; ``SyncFreeGradScaler``'s reads its
-        state (on the GPU, synchronizes).
+        It holds the step journal (:meth:`journal`), which it reads: on the GPU it
+        synchronizes (``GradScaler`` with ``journal=0`` never does). ``SyncFreeGradScaler``'s
+        also reads its state.
 
         Raises:
             ScalerProtocolError: A step is open; take checkpoints after ``update()``.

@@ -41,6 +41,7 @@ __all__ = [
     "KEPT",
     "MAX_CAPACITY",
     "MAX_NAMES",
+    "MAX_NAMES_BYTES",
     "MAX_NAME_LENGTH",
     "action_of",
     "entries",
@@ -142,48 +143,84 @@ def from_bytes(data: bytes, steps: int) -> np.ndarray:
     """
     if len(data) % ENTRY.itemsize or len(data) // ENTRY.itemsize > MAX_CAPACITY:
         raise CheckpointFieldError(
-            f"journal: expected at most {MAX_CAPACITY} entries of {ENTRY.itemsize} bytes; got {len(data)} bytes."
+            f"Invalid 'journal': expected a whole number of {ENTRY.itemsize}-byte entries, at most {MAX_CAPACITY}; "
+            f"got {len(data)} bytes."
         )
     raw = np.frombuffer(data, dtype=np.uint8).reshape(-1, ENTRY.itemsize)
     chosen = _copy(np.frombuffer(data, dtype=ENTRY))
-    numbers = chosen["step"]
+    numbers = chosen["step"]  # uint64, compared as such: a cast to int64 would wrap steps from 2**63 on
     problems = []
-    if len(chosen) and (numbers[0] < 1 or numbers[-1] > steps or np.any(np.diff(numbers.astype(np.int64)) <= 0)):
+    if len(chosen) and (numbers[0] < 1 or numbers[-1] > steps or np.any(numbers[1:] <= numbers[:-1])):
         problems.append(f"steps must increase, from 1 to the scaler's {steps}")
     if np.any(chosen["action"] >= len(ACTIONS)) or np.any(chosen["local"] > 1) or np.any(chosen["agreed"] > 1):
         problems.append(f"action must be below {len(ACTIONS)}, local and agreed 0 or 1")
     calls, positions = chosen["culprit_call"], chosen["culprit"]
-    if np.any(chosen["culprits"] < 0) or np.any(calls < -1) or np.any(positions < -1) or np.any((calls < 0) != (positions < 0)):
+    if (
+        np.any(chosen["culprits"] < 0)
+        or np.any(calls < -1)
+        or np.any(positions < -1)
+        or np.any((calls < 0) != (positions < 0))
+    ):
         problems.append("culprit counts must be >= 0, a culprit's call and position both -1 or both >= 0")
-    if np.any(~np.isfinite(chosen["scale"]) | (chosen["scale"] <= 0) | ~np.isfinite(chosen["next_scale"])):
+    scales = np.concatenate([chosen["scale"], chosen["next_scale"]])
+    if np.any(~np.isfinite(scales) | (scales <= 0)):
         problems.append("scales must be finite and positive")
     if np.any(raw[:, ENTRY.fields["action"][1] + 1 :]):  # type: ignore[index]
         problems.append("padding bytes must be zero")
     if problems:
-        raise CheckpointFieldError(f"journal: {'; '.join(problems)}. The file was not written by cupy-amp.")
+        raise CheckpointFieldError(f"Invalid 'journal': {'; '.join(problems)}. The file was not written by cupy-amp.")
     return chosen
 
 
 MAX_NAMES = 4096  # names kept in a checkpoint, over all calls
 MAX_NAME_LENGTH = 128
+MAX_NAMES_BYTES = 256 * 1024  # the names' UTF-8 bytes in all: with a full journal, a file stays under 1 MiB
 
 
 def names(labels: Any) -> tuple[tuple[str, ...], ...]:
     """Return the names a checkpoint keeps of a step's gradient labels (call by call): each as a string cut
-    to :data:`MAX_NAME_LENGTH` characters, or none at all when there are more than :data:`MAX_NAMES`."""
-    kept = tuple(tuple(str(label)[:MAX_NAME_LENGTH] for label in call) for call in labels)
-    return kept if sum(len(call) for call in kept) <= MAX_NAMES else ()
+    to :data:`MAX_NAME_LENGTH` characters (what UTF-8 cannot encode escaped), or none at all when there are more
+    than :data:`MAX_NAMES` or their UTF-8 bytes pass :data:`MAX_NAMES_BYTES`."""
+    kept = tuple(
+        tuple(str(label)[:MAX_NAME_LENGTH].encode("utf-8", "backslashreplace").decode("utf-8")[:MAX_NAME_LENGTH]
+              for label in call)
+        for call in labels
+    )  # fmt: skip
+    total = sum(len(name.encode("utf-8")) for call in kept for name in call)
+    return kept if len(kept) <= MAX_NAMES and sum(map(len, kept)) <= MAX_NAMES and total <= MAX_NAMES_BYTES else ()
 
 
 def expect_names(error: type[Exception], value: Any) -> tuple[tuple[str, ...], ...]:
-    """Return a checkpoint's ``journal_names`` as tuples, or raise ``error`` naming what is wrong."""
-    if not isinstance(value, (list, tuple)) or not all(isinstance(call, (list, tuple)) for call in value):
-        raise error(f"Invalid 'journal_names': expected an array of arrays of strings, got {type(value).__name__}.")
+    """Return a checkpoint's ``journal_names`` as tuples, or raise ``error`` naming what is wrong.
+
+    What a checkpoint file can hold: at most :data:`MAX_NAMES` calls and :data:`MAX_NAMES` names in all, each a
+    string of at most :data:`MAX_NAME_LENGTH` characters that UTF-8 can encode, :data:`MAX_NAMES_BYTES` bytes in all.
+    """
+    what = "Invalid 'journal_names'"
+    if not isinstance(value, (list, tuple)):
+        raise error(f"{what}: expected an array of arrays of strings, got {type(value).__name__}.")
+    if len(value) > MAX_NAMES:
+        raise error(f"{what}: expected at most {MAX_NAMES} calls, got {len(value)}.")
+    for call in value:
+        if not isinstance(call, (list, tuple)):
+            raise error(
+                f"{what}: expected an array of arrays of strings, got an array holding a {type(call).__name__}."
+            )
     kept = tuple(tuple(call) for call in value)
-    if sum(len(call) for call in kept) > MAX_NAMES or not all(
-        type(name) is str and len(name) <= MAX_NAME_LENGTH for call in kept for name in call
-    ):
-        raise error(
-            f"Invalid 'journal_names': expected at most {MAX_NAMES} strings of at most {MAX_NAME_LENGTH} characters."
-        )
+    count = sum(len(call) for call in kept)
+    if count > MAX_NAMES:
+        raise error(f"{what}: expected at most {MAX_NAMES} names in all, got {count}.")
+    for call in kept:
+        for name in call:
+            if type(name) is not str:
+                raise error(f"{what}: expected strings, got a name of type {type(name).__name__}.")
+            if len(name) > MAX_NAME_LENGTH:
+                raise error(f"{what}: expected names of at most {MAX_NAME_LENGTH} characters, got one of {len(name)}.")
+            try:
+                name.encode("utf-8")
+            except UnicodeEncodeError:
+                raise error(f"{what}: expected names UTF-8 can encode, got {name!a}.") from None
+    total = sum(len(name.encode("utf-8")) for call in kept for name in call)
+    if total > MAX_NAMES_BYTES:
+        raise error(f"{what}: expected at most {MAX_NAMES_BYTES} bytes of names in UTF-8, got {total}.")
     return kept

@@ -140,7 +140,8 @@ class StateSet:
 
     def journal(self) -> np.ndarray:
         """Return the journal of the first state, oldest first (on the GPU, synchronizes)."""
-        return self.all()[0].journal()
+        entries: np.ndarray = self.all()[0].journal()
+        return entries
 
     def keep_culprits(self, count: int, first: tuple[int, int] | None) -> None:
         """Set every state's count and first of the open step's culprits (after a repair, from the host's reads)."""

@@ -112,7 +112,9 @@ class RefScaler:
         else:
             action = 0
         nan = float("nan")
-        entry = struct.pack("<QffffiiiBBBx", self.steps, old, self.scale, nan, nan, culprits, *first, overflow, overflow, action)
+        entry = struct.pack(
+            "<QffffiiiBBBx", self.steps, old, self.scale, nan, nan, culprits, *first, overflow, overflow, action
+        )
         self.journal.append(entry)
         self.journal_names = names
 

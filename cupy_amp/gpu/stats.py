@@ -150,7 +150,12 @@ class DeviceStatsRecord:
                 entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
                 found = flags(group)
                 launch(
-                    grid, stream.ptr, partials=partials + 8 * written, state=state, tensor_found=found, call=number,
+                    grid,
+                    stream.ptr,
+                    partials=partials + 8 * written,
+                    state=state,
+                    tensor_found=found,
+                    call=number,
                     **entries,
                 )
                 written += grid

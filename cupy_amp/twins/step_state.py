@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from cupy_amp.distributed import count_verdict, refuse_impossible_sum
 from cupy_amp import journal
+from cupy_amp.distributed import count_verdict, refuse_impossible_sum
 from cupy_amp.errors import CommunicatorError, RanksMayDisagreeError
 from cupy_amp.rule import ScalerConfig, ScalerState, inverse_scale, next_state
 from cupy_amp.state import Verdict
@@ -39,7 +39,9 @@ class HostState:
         self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, capacity: int = 0
     ) -> None:
         self._journal = np.zeros(capacity, dtype=journal.ENTRY)  # the ring: step n at slot (n - 1) % capacity
-        self._culprits, self._first_culprit, self._checked = 0, None, -1  # the open step's, for its entry
+        # The open step's culprits (count, first (call, position)) and last finished check, for its entry.
+        self._culprits, self._checked = 0, -1
+        self._first_culprit: tuple[int, int] | None = None
         self._finite = np.ones((), dtype=np.bool_)
         self.finite = self._finite.view()  # what callers get: read-only, and always the current verdict
         self.finite.flags.writeable = False
@@ -106,9 +108,7 @@ class HostState:
     def prepare(self, call: Any) -> None:
         """Nothing to set aside on the host."""
 
-    def check(
-        self, call: Any, max_norm: float, voting: bool, report: bool = False, number: int = 0
-    ) -> tuple[int, ...]:
+    def check(self, call: Any, max_norm: float, voting: bool, report: bool = False, number: int = 0) -> tuple[int, ...]:
         """Read a parsed call's statistics; return the positions of the arrays that held inf/nan.
 
         With ``voting``, the record is finished by :meth:`vote_sums` and
@@ -203,7 +203,8 @@ class HostState:
         self._journal[(after.steps - 1) % len(self._journal)] = (
             after.steps, before.scale, after.scale,
             self.stats.norm if checked else np.nan, self.stats.clip_coefficient if checked else np.nan,
-            self._culprits, call, position, self._found, overflow, journal.action_of(self._config, before, after, overflow),
+            self._culprits, call, position, self._found, overflow,
+            journal.action_of(self._config, before, after, overflow),
         )  # fmt: skip
 
     def journal(self) -> np.ndarray:

@@ -116,7 +116,10 @@ def test_from_torch_state_dict_fills_every_other_field() -> None:
         "growths": 0,
         "backoffs": 0,
         "remote_skipped_steps": 0,
+        "journal": b"",
+        "journal_names": (),
     }
+    assert checkpoint.journal_entries().size == 0
     assert checkpoint.to_torch_state_dict() == TORCH_STATE
     assert GradScalerCheckpoint.from_bytes(checkpoint.to_bytes()) == checkpoint
 

@@ -18,7 +18,7 @@ import pytest
 from checkpoint_documents import (
     GOLDEN_FIELDS,
     GOLDEN_V1_PAYLOAD,
-    GOLDEN_V2,
+    GOLDEN_V3,
     SMALLEST_SCALE,
     assert_identical,
     document,
@@ -69,7 +69,7 @@ def test_version_1_field_error_names_the_file(tmp_path: Path) -> None:
         ("empty", b""),
         ("pickle", pickle.dumps(GOLDEN_FIELDS)),
         ("pickle-of-checkpoint", pickle.dumps(golden())),
-        ("json", json.dumps(GOLDEN_FIELDS).encode()),
+        ("json", json.dumps({**GOLDEN_FIELDS, "journal": GOLDEN_FIELDS["journal"].hex()}).encode()),
         ("plain-msgpack", packb(GOLDEN_FIELDS)),
         ("nul", b"\x00" * 64),
     ],
@@ -84,7 +84,7 @@ def test_foreign_files_are_corrupt_and_named(tmp_path: Path, name: str, content:
 def test_zip_file_is_corrupt(tmp_path: Path) -> None:
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w") as archive:
-        archive.writestr("scaler.ckpt", GOLDEN_V2.read_bytes())
+        archive.writestr("scaler.ckpt", GOLDEN_V3.read_bytes())
     path = tmp_path / "scaler.zip"
     path.write_bytes(buffer.getvalue())
     with pytest.raises(CheckpointCorruptError, match="not a cupy-amp checkpoint"):
@@ -106,7 +106,7 @@ def test_future_version_error_names_the_file(tmp_path: Path) -> None:
 def test_huge_sparse_file_is_refused_without_being_read(tmp_path: Path) -> None:
     path = tmp_path / "huge.ckpt"
     with open(path, "wb") as file:
-        file.write(GOLDEN_V2.read_bytes())
+        file.write(GOLDEN_V3.read_bytes())
         file.truncate(2 * 1024**3)
     started = time.perf_counter()
     with pytest.raises(
@@ -153,7 +153,7 @@ def test_save_replaces_an_existing_file_and_leaves_no_temporary(tmp_path: Path) 
     target = tmp_path / "scaler.ckpt"
     target.write_bytes(b"old")
     golden().save(target)
-    assert target.read_bytes() == GOLDEN_V2.read_bytes()
+    assert target.read_bytes() == GOLDEN_V3.read_bytes()
     assert os.listdir(tmp_path) == ["scaler.ckpt"]
 
 
@@ -177,7 +177,7 @@ def test_stray_temporary_files_do_not_affect_load_or_save(tmp_path: Path) -> Non
     target = tmp_path / "scaler.ckpt"
     golden().save(target)
     stray = tmp_path / ".scaler.ckpt.tmp-0123456789abcdef"
-    stray.write_bytes(GOLDEN_V2.read_bytes()[:100])
+    stray.write_bytes(GOLDEN_V3.read_bytes()[:100])
     assert GradScalerCheckpoint.load(target) == golden()
     other = with_fields(steps=5_000_000_001)
     other.save(target)
@@ -245,7 +245,7 @@ def test_failure_after_a_partial_write_removes_the_temporary(tmp_path: Path, mon
     with pytest.raises(OSError, match="No space"):
         with_fields(steps=7_000_000_000).save(target)
     monkeypatch.undo()
-    assert target.read_bytes() == GOLDEN_V2.read_bytes()
+    assert target.read_bytes() == GOLDEN_V3.read_bytes()
     assert os.listdir(tmp_path) == ["scaler.ckpt"]
 
 
@@ -254,7 +254,7 @@ def test_short_writes_are_continued(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(os, "write", lambda fd, data: real_write(fd, bytes(data)[:1]))
     golden().save(tmp_path / "scaler.ckpt")
     monkeypatch.undo()
-    assert (tmp_path / "scaler.ckpt").read_bytes() == GOLDEN_V2.read_bytes()
+    assert (tmp_path / "scaler.ckpt").read_bytes() == GOLDEN_V3.read_bytes()
 
 
 def test_file_is_synced_before_the_rename(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -390,7 +390,7 @@ def test_bytes_paths_and_the_longest_names_work(tmp_path: Path) -> None:
 
 
 def test_a_released_memoryview_is_a_type_error() -> None:
-    view = memoryview(GOLDEN_V2.read_bytes())
+    view = memoryview(GOLDEN_V3.read_bytes())
     view.release()
     with pytest.raises(TypeError, match="released"):
         GradScalerCheckpoint.from_bytes(view)  # type: ignore[arg-type]

@@ -1,4 +1,4 @@
-"""The checkpoint file format: round trips, the golden files, version-1 migration, and every way bytes can be wrong."""
+"""The checkpoint file format: round trips, the golden files, the migrations, and every way bytes can be wrong."""
 
 from __future__ import annotations
 
@@ -14,15 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 from checkpoint_documents import (
     F32_MAX,
     GOLDEN_FIELDS,
     GOLDEN_FILES,
+    GOLDEN_JOURNAL,
+    GOLDEN_NAMES,
     GOLDEN_V1,
     GOLDEN_V1_FIELDS,
     GOLDEN_V1_PAYLOAD,
     GOLDEN_V2,
+    GOLDEN_V2_FIELDS,
+    GOLDEN_V2_PAYLOAD,
+    GOLDEN_V3,
     SMALLEST_SCALE,
     U64_MAX,
     assert_identical,
@@ -32,7 +38,9 @@ from checkpoint_documents import (
     packb,
     raw_map,
     seal,
+    unpack_journal,
     v1_document,
+    v2_document,
     with_fields,
 )
 from hypothesis import example, given
@@ -67,30 +75,38 @@ def test_round_trip_is_exact_and_deterministic(checkpoint: GradScalerCheckpoint)
     assert decoded == checkpoint
     assert_identical(decoded, checkpoint)
     assert decoded.to_bytes() == data
-    assert len(data) < 512
+    assert len(data) < 512 + len(checkpoint.journal)  # the golden examples' few names included
 
 
 def test_every_float_is_written_as_float64() -> None:
     # 0x84 map header, then the payload map; floats must use 0xcb, never 0xca (float32).
-    payload = msgpack.unpackb(golden().to_bytes()[:-5] + b"\x00", raw=False)["payload"]
+    payload = msgpack.unpackb(golden().to_bytes()[:-5] + b"\x00", raw=False, use_list=False)["payload"]
     assert payload == GOLDEN_FIELDS
     for name in ("scale", "growth_factor", "backoff_factor", "min_scale"):
         marker = packb(name) + b"\xcb" + struct.pack(">d", GOLDEN_FIELDS[name])
         assert marker in golden().to_bytes(), name
 
 
+def test_the_journal_is_a_bin_and_the_names_arrays_of_strings() -> None:
+    data = golden().to_bytes()
+    assert packb("journal") + b"\xc4" + bytes([len(GOLDEN_JOURNAL)]) + GOLDEN_JOURNAL in data  # bin 8
+    names = b"\x92" + b"".join(b"\x92" + b"".join(packb(name) for name in call) for call in GOLDEN_NAMES)
+    assert packb("journal_names") + names + packb("crc32") in data  # last, fixarrays of fixstrs
+
+
 # The golden files. Each was written once, by the encoder of its version, and
-# must never be regenerated or edited: grad_scaler_v1.ckpt by version 1 (whose
-# encoder no longer exists), grad_scaler_v2.ckpt by version 2. If the version-2
-# test fails, the encoder no longer writes version 2. Changing the format means
-# a new FORMAT_VERSION, a migration from the previous version
-# (cupy_amp.checkpoint_file._MIGRATIONS), a new golden file and its tests, never a
-# regenerated one; the older golden files keep checking that their versions
-# still decode.
+# must never be regenerated or edited: grad_scaler_v1.ckpt by version 1,
+# grad_scaler_v2.ckpt by version 2 (whose encoders no longer exist),
+# grad_scaler_v3.ckpt by version 3. If the version-3 test fails, the encoder no
+# longer writes version 3. Changing the format means a new FORMAT_VERSION, a
+# migration from the previous version (cupy_amp.checkpoint_file._MIGRATIONS), a
+# new golden file and its tests, never a regenerated one; the older golden files
+# keep checking that their versions still decode.
 
 GOLDEN_SHA256 = {
     GOLDEN_V1: "4c61e4a17341da7314c582ec61b18672e85ce78f36ff6b670dc7cb3a33a45caa",
     GOLDEN_V2: "fb4d60acd11c34f1870d6ab5e32bb0b656c1fc9569f7486e0040f0d5c673648e",
+    GOLDEN_V3: "3920424a8a6cb88520dd43c5b1f3b490d2261fe9caf82e3f33ffbef3e2b1054e",
 }
 
 
@@ -116,29 +132,68 @@ def test_decoder_reads_the_golden_version_1_file_through_the_migration() -> None
     assert_identical(loaded, GradScalerCheckpoint(**GOLDEN_V1_FIELDS))
 
 
-def test_golden_version_1_file_is_rewritten_in_version_2() -> None:
-    upgraded = GradScalerCheckpoint.load(GOLDEN_V1).to_bytes()
-    assert decode_checkpoint(upgraded)[0] == FORMAT_VERSION == 2
-    assert upgraded == document(fields=GOLDEN_V1_FIELDS)
+@pytest.mark.parametrize(
+    ("path", "fields"), [(GOLDEN_V1, GOLDEN_V1_FIELDS), (GOLDEN_V2, GOLDEN_V2_FIELDS)], ids=["v1", "v2"]
+)
+def test_older_golden_files_are_rewritten_in_version_3(path: Path, fields: dict[str, Any]) -> None:
+    upgraded = GradScalerCheckpoint.load(path).to_bytes()
+    assert decode_checkpoint(upgraded)[0] == FORMAT_VERSION == 3
+    assert upgraded == document(fields=fields)
 
 
-def test_encoder_writes_the_golden_version_2_bytes() -> None:
-    assert golden().to_bytes() == GOLDEN_V2.read_bytes()
+def test_golden_version_2_file_holds_the_version_2_payload() -> None:
+    envelope = msgpack.unpackb(GOLDEN_V2.read_bytes()[:-5] + b"\x00", raw=False)
+    assert envelope["version"] == 2
+    assert envelope["payload"] == GOLDEN_V2_PAYLOAD
+    assert list(envelope["payload"]) == list(GOLDEN_V2_PAYLOAD)
 
 
-def test_decoder_reads_the_golden_version_2_file() -> None:
+def test_encoder_writes_the_golden_version_3_bytes() -> None:
+    assert golden().to_bytes() == GOLDEN_V3.read_bytes()
+
+
+def test_decoder_reads_the_golden_version_2_file_with_an_empty_journal() -> None:
     version, decoded = decode_checkpoint(GOLDEN_V2.read_bytes())
     assert version == 2
-    assert decoded.to_dict() == GOLDEN_FIELDS
+    assert decoded.to_dict() == GOLDEN_V2_FIELDS
     loaded = GradScalerCheckpoint.load(GOLDEN_V2)
+    assert loaded.to_dict() == GOLDEN_V2_FIELDS
+    assert list(loaded.to_dict()) == list(GOLDEN_V2_FIELDS)
+    assert_identical(loaded, GradScalerCheckpoint(**GOLDEN_V2_FIELDS))
+    assert (loaded.journal, loaded.journal_names, len(loaded.journal_entries())) == (b"", (), 0)
+
+
+def test_decoder_reads_the_golden_version_3_file() -> None:
+    version, decoded = decode_checkpoint(GOLDEN_V3.read_bytes())
+    assert version == 3
+    assert decoded.to_dict() == GOLDEN_FIELDS
+    loaded = GradScalerCheckpoint.load(GOLDEN_V3)
     assert loaded.to_dict() == GOLDEN_FIELDS
     assert list(loaded.to_dict()) == list(GOLDEN_FIELDS)
     assert_identical(loaded, golden())
+    assert loaded.journal_names == GOLDEN_NAMES
+    # The entries as read, field by field against the bytes unpacked with the format's own layout.
+    entries = loaded.journal_entries()
+    expected = unpack_journal(GOLDEN_JOURNAL)
+    assert len(entries) == len(expected) == 3
+    for entry, fields in zip(entries, expected):
+        for name, value in fields.items():
+            assert float_bits_or_int(entry[name]) == float_bits_or_int(value), name
+    assert entries["step"].tolist() == [4_999_997_999, 4_999_999_999, 5_000_000_000]
+
+
+def float_bits_or_int(value: Any) -> Any:
+    """A value compared so that NaN equals NaN: floats by their float32 bits, the rest as Python ints."""
+    if isinstance(value, (float, np.floating)):
+        return np.float32(value).tobytes()
+    return int(value)
 
 
 def test_test_helper_builds_the_same_bytes_as_the_encoder() -> None:
-    # The hand-built documents below are only meaningful if a valid one matches the encoder.
-    assert document() == GOLDEN_V2.read_bytes()
+    # The hand-built documents below are only meaningful if a valid one matches the encoder, and the older
+    # ones if they match the files their encoders wrote.
+    assert document() == GOLDEN_V3.read_bytes()
+    assert v2_document() == GOLDEN_V2.read_bytes()
     assert v1_document() == GOLDEN_V1.read_bytes()
 
 
@@ -189,7 +244,19 @@ def test_version_1_document_missing_a_field_is_a_field_error(name: str) -> None:
 
 def test_version_2_document_with_the_version_1_fields_is_a_field_error() -> None:
     with pytest.raises(CheckpointFieldError, match=r"missing field.*'found_overflow_local', 'remote_skipped_steps'"):
-        GradScalerCheckpoint.from_bytes(document(fields=GOLDEN_V1_PAYLOAD))
+        GradScalerCheckpoint.from_bytes(v2_document(GOLDEN_V1_PAYLOAD))
+
+
+def test_version_3_document_with_the_version_2_fields_is_a_field_error() -> None:
+    # from_dict() may leave the journal out (no journal); a version-3 file may not.
+    with pytest.raises(
+        CheckpointFieldError, match=re.escape("missing field(s) 'journal', 'journal_names' of format version 3")
+    ):
+        GradScalerCheckpoint.from_bytes(document(fields=GOLDEN_V2_PAYLOAD))
+    for name in ("journal", "journal_names"):
+        fields = {key: value for key, value in GOLDEN_FIELDS.items() if key != name}
+        with pytest.raises(CheckpointFieldError, match=re.escape(f"missing field(s) {name!r} of format version 3")):
+            GradScalerCheckpoint.from_bytes(document(fields=fields))
 
 
 def test_version_1_invalid_found_overflow_is_reported_under_its_own_name() -> None:
@@ -218,7 +285,9 @@ def test_every_single_bit_flip_is_corrupt(golden_file: Path) -> None:
 
 
 @pytest.mark.parametrize("golden_file", GOLDEN_FILES, ids=lambda path: path.name)
-@pytest.mark.parametrize("extra", [b"\x00", b"\xc0", GOLDEN_V1.read_bytes(), GOLDEN_V2.read_bytes()])
+@pytest.mark.parametrize(
+    "extra", [b"\x00", b"\xc0", GOLDEN_V1.read_bytes(), GOLDEN_V2.read_bytes(), GOLDEN_V3.read_bytes()]
+)
 def test_trailing_bytes_are_corrupt(golden_file: Path, extra: bytes) -> None:
     with pytest.raises(CheckpointCorruptError):
         GradScalerCheckpoint.from_bytes(golden_file.read_bytes() + extra)
@@ -240,11 +309,11 @@ def test_random_bytes_raise_only_checkpoint_errors(data: bytes) -> None:
 
 def test_a_non_bytes_argument_is_a_type_error() -> None:
     with pytest.raises(TypeError, match="bytes"):
-        GradScalerCheckpoint.from_bytes(GOLDEN_V2.read_text("latin-1"))  # type: ignore[arg-type]
+        GradScalerCheckpoint.from_bytes(GOLDEN_V3.read_text("latin-1"))  # type: ignore[arg-type]
 
 
 def test_bytearray_and_memoryview_are_accepted() -> None:
-    data = GOLDEN_V2.read_bytes()
+    data = GOLDEN_V3.read_bytes()
     assert GradScalerCheckpoint.from_bytes(bytearray(data)) == golden()  # type: ignore[arg-type]
     assert GradScalerCheckpoint.from_bytes(memoryview(data)) == golden()  # type: ignore[arg-type]
 
@@ -337,7 +406,7 @@ def test_non_string_payload_keys_are_corrupt(key: bytes) -> None:
 @pytest.mark.parametrize("ext", [b"\xd4\x01\x00", b"\xd6\xff\x00\x00\x00\x00", b"\xc7\x00\x05"])
 def test_ext_types_are_corrupt(ext: bytes) -> None:
     payload = packb({**GOLDEN_FIELDS, "scale": None})
-    assert payload.startswith(b"\xde\x00\x11\xa5scale\xc0")  # map16 of 17 entries, then the first one
+    assert payload.startswith(b"\xde\x00\x13\xa5scale\xc0")  # map16 of 19 entries, then the first one
     with pytest.raises(CheckpointCorruptError, match="ext"):
         GradScalerCheckpoint.from_bytes(document(payload.replace(b"\xc0", ext, 1)))
 
@@ -419,6 +488,6 @@ def test_float32_encoded_values_decode_to_the_same_checkpoint() -> None:
 
 
 def test_bytes_over_the_limit_are_refused_before_parsing() -> None:
-    oversize = GOLDEN_V2.read_bytes() + b"\x00" * MAX_CHECKPOINT_BYTES
+    oversize = GOLDEN_V3.read_bytes() + b"\x00" * MAX_CHECKPOINT_BYTES
     with pytest.raises(CheckpointCorruptError, match="limit"):
         GradScalerCheckpoint.from_bytes(oversize)

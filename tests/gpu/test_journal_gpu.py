@@ -90,7 +90,9 @@ def test_a_captured_step_journals_every_replay() -> None:
         scaler.scale_loss(loss)
         scaler.check(prepared, max_norm=1.0)
         scaler.update()
-        graph = capture(stream, lambda: (scaler.scale_loss(loss), scaler.check(prepared, max_norm=1.0), scaler.update()))
+        graph = capture(
+            stream, lambda: (scaler.scale_loss(loss), scaler.check(prepared, max_norm=1.0), scaler.update())
+        )
         reference = GradScaler(init_scale=2.0**8, growth_interval=3)
         host = np.full(BIG, 0.25, np.float16)
         reference.scale_loss(np.ones((), np.float32))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -13,14 +14,25 @@ from typing import Any
 
 import msgpack
 import pytest
+from checkpoint_documents import (
+    ACTION_NAMES,
+    BACKED_OFF,
+    ENTRY_FIELDS,
+    GOLDEN_FIELDS,
+    GOLDEN_V1,
+    GOLDEN_V2,
+    GOLDEN_V3,
+    INF,
+    KEPT,
+    journal_entry,
+    unpack_journal,
+)
 
 from cupy_amp.checkpoint import FORMAT_NAME, FORMAT_VERSION, GradScalerCheckpoint
 from cupy_amp.cli import main
 from cupy_amp.errors import CheckpointFieldError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-GOLDEN_V1 = Path(__file__).resolve().parents[1] / "data" / "grad_scaler_v1.ckpt"
-GOLDEN_V2 = Path(__file__).resolve().parents[1] / "data" / "grad_scaler_v2.ckpt"
 FIELD_NAMES = [
     "scale",
     "growth_factor",
@@ -39,7 +51,22 @@ FIELD_NAMES = [
     "growths",
     "backoffs",
     "remote_skipped_steps",
+    "journal",
+    "journal_names",
 ]
+SCALAR_NAMES = FIELD_NAMES[:-2]
+# make()'s journal: a local overflow backed the scale off at step 83, then 17 clean steps, two of them kept here
+# (one checked: a norm and a clip coefficient).
+JOURNAL = b"".join(
+    [
+        journal_entry(
+            83, 196608.0, 98304.0, culprits=2, culprit_call=0, culprit=1, local=1, agreed=1, action=BACKED_OFF
+        ),
+        journal_entry(99, 98304.0, 98304.0, norm=2.5, clip_coefficient=0.25, action=KEPT),
+        journal_entry(100, 98304.0, 98304.0, action=KEPT),
+    ]
+)
+NAMES = (("0", "1"), ("embed.weight",))
 
 
 def make(**changes: Any) -> GradScalerCheckpoint:
@@ -61,9 +88,56 @@ def make(**changes: Any) -> GradScalerCheckpoint:
         "growths": 0,
         "backoffs": 2,
         "remote_skipped_steps": 1,
+        "journal": JOURNAL,
+        "journal_names": NAMES,
         **changes,
     }
     return GradScalerCheckpoint(**fields)
+
+
+def strict_json(text: str) -> Any:
+    """Parse JSON, failing on what only Python's lenient JSON has (NaN, Infinity, -Infinity)."""
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"{token} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def expected_journal(data: bytes) -> list[dict[str, Any]]:
+    """The journal as inspect --json should show it, from the bytes unpacked with the format's layout."""
+    shown = []
+    for entry in unpack_journal(data):
+        fields: dict[str, Any] = {}
+        for name, value in entry.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                value = None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            fields[name] = value
+            if name == "action":
+                fields["action_name"] = ACTION_NAMES[value]
+        shown.append(fields)
+    return shown
+
+
+def checkpoint_from_json(fields: dict[str, Any]) -> GradScalerCheckpoint:
+    """The checkpoint inspect --json shows: the journal's entries packed back into its bytes, the names as tuples."""
+
+    def number(value: float | str | None) -> float:
+        return math.nan if value is None else float(value)
+
+    journal = b"".join(
+        journal_entry(
+            entry["step"],
+            entry["scale"],
+            entry["next_scale"],
+            norm=number(entry["norm"]),
+            clip_coefficient=number(entry["clip_coefficient"]),
+            **{name: entry[name] for name in ("culprits", "culprit_call", "culprit", "local", "agreed", "action")},
+        )
+        for entry in fields["journal"]
+    )
+    names = tuple(tuple(call) for call in fields["journal_names"])
+    return GradScalerCheckpoint.from_dict({**fields, "journal": journal, "journal_names": names})
 
 
 @pytest.fixture
@@ -110,6 +184,46 @@ def test_inspect_prints_one_aligned_line_per_field(good: Path, capsys: pytest.Ca
     assert values["found_overflow_local"] == "False"
     assert values["consecutive_good_steps"] == "17"
     assert values["remote_skipped_steps"] == "1"
+    assert values["journal"] == "3 steps (from step 83 to 100): 1 skipped, 1 backed off, 0 grew"
+    assert values["journal_names"] == "3 names in 2 calls"
+
+
+@pytest.mark.parametrize(
+    ("changes", "journal", "names"),
+    [
+        ({"journal": b"", "journal_names": ()}, "empty", "none"),
+        (
+            {"journal": JOURNAL[-40:], "journal_names": ((),)},
+            "1 step (step 100): 0 skipped, 0 backed off, 0 grew",
+            "0 names in 1 call",
+        ),
+        (
+            {"journal_names": (("w",),)},
+            "3 steps (from step 83 to 100): 1 skipped, 1 backed off, 0 grew",
+            "1 name in 1 call",
+        ),
+    ],
+    ids=["empty", "one", "one-name"],
+)
+def test_inspect_summarizes_the_journal_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], changes: dict[str, Any], journal: str, names: str
+) -> None:
+    path = tmp_path / "scaler.ckpt"
+    make(**changes).save(path)
+    assert main(["inspect", str(path)]) == 0
+    values = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in capsys.readouterr().out.splitlines()}
+    assert (values["journal"], values["journal_names"]) == (journal, names)
+
+
+def test_inspect_shows_the_golden_version_3_journal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(GOLDEN_V3)]) == 0
+    out = capsys.readouterr().out
+    values = {line.split(":", 1)[0]: line.split(":", 1)[1].strip() for line in out.splitlines()}
+    assert list(values) == ["file", "format", *FIELD_NAMES]
+    assert values["format"] == f"{FORMAT_NAME} version 3"
+    assert values["journal"] == "3 steps (from step 4999997999 to 5000000000): 2 skipped, 1 backed off, 1 grew"
+    assert values["journal_names"] == "4 names in 2 calls"
+    assert "\\x" not in out and "b'" not in out  # no raw bytes
 
 
 def test_inspect_shows_a_version_1_file_as_written_and_its_fields_as_read(capsys: pytest.CaptureFixture[str]) -> None:
@@ -120,18 +234,39 @@ def test_inspect_shows_a_version_1_file_as_written_and_its_fields_as_read(capsys
     assert values["format"] == f"{FORMAT_NAME} version 1 (fields upgraded to version {FORMAT_VERSION})"
     assert values["found_overflow"] == values["found_overflow_local"] == "True"
     assert values["remote_skipped_steps"] == "0"
+    assert (values["journal"], values["journal_names"]) == ("empty", "none")
 
 
-@pytest.mark.parametrize(("path", "version"), [(GOLDEN_V1, 1), (GOLDEN_V2, 2)], ids=["v1", "v2"])
+@pytest.mark.parametrize(("path", "version"), [(GOLDEN_V1, 1), (GOLDEN_V2, 2), (GOLDEN_V3, 3)], ids=["v1", "v2", "v3"])
 def test_inspect_json_gives_the_version_written_and_the_fields_read(
     capsys: pytest.CaptureFixture[str], path: Path, version: int
 ) -> None:
     assert main(["inspect", "--json", str(path)]) == 0
-    document = json.loads(capsys.readouterr().out)
+    document = strict_json(capsys.readouterr().out)
     assert document["format"] == FORMAT_NAME
     assert document["version"] == version
     assert list(document["fields"]) == FIELD_NAMES
-    assert document["fields"] == GradScalerCheckpoint.load(path).to_dict()
+    fields = GradScalerCheckpoint.load(path).to_dict()
+    assert {name: document["fields"][name] for name in SCALAR_NAMES} == {name: fields[name] for name in SCALAR_NAMES}
+    assert document["fields"]["journal"] == expected_journal(fields["journal"])
+    assert document["fields"]["journal_names"] == [list(call) for call in fields["journal_names"]]
+    assert checkpoint_from_json(document["fields"]) == GradScalerCheckpoint.load(path)
+
+
+def test_inspect_json_shows_each_journal_entry_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--json", str(GOLDEN_V3)]) == 0
+    fields = strict_json(capsys.readouterr().out)["fields"]
+    assert fields["journal_names"] == [["0", "layer.weight"], ["embed.weight", "d\u00e9codeur.bias"]]
+    backed_off, grew, held = fields["journal"]
+    for entry in (backed_off, grew, held):
+        assert list(entry) == [*ENTRY_FIELDS[: ENTRY_FIELDS.index("action") + 1], "action_name"]
+    assert backed_off == {
+        "step": 4_999_997_999, "scale": 32768.0, "next_scale": 16384.0, "norm": None, "clip_coefficient": None,
+        "culprits": 3, "culprit_call": 1, "culprit": 4, "local": 1, "agreed": 1, "action": 2,
+        "action_name": "backed off",
+    }  # fmt: skip
+    assert (grew["norm"], grew["clip_coefficient"], grew["action_name"]) == (0.75, 1.0, "grew")
+    assert (held["norm"], held["clip_coefficient"], held["action_name"]) == ("inf", 0.0, "held by hysteresis")
 
 
 def test_inspect_shows_a_remote_overflow(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,16 +301,33 @@ def test_inspect_shows_scales_readably_and_exactly(
 
 
 def test_inspect_json_round_trips_every_field_exactly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    checkpoint = make(scale=2.0**-127, min_scale=None, max_scale=None, backoff_factor=0.8, steps=2**64 - 1)
+    # Floats float32 holds only just (a subnormal, the largest), NaN and both infinities in the journal.
+    journal = JOURNAL + journal_entry(
+        2**64 - 2, 2.0**-127, float.fromhex("0x1.fffffep+127"), norm=INF, clip_coefficient=-INF, action=5
+    )
+    changes = {"scale": 2.0**-127, "min_scale": None, "max_scale": None, "backoff_factor": 0.8, "steps": 2**64 - 1}
+    checkpoint = make(**changes, journal=journal)
     path = tmp_path / "scaler.ckpt"
     checkpoint.save(path)
     assert main(["inspect", "--json", str(path)]) == 0
-    document = json.loads(capsys.readouterr().out)
+    document = strict_json(capsys.readouterr().out)
     assert document["format"] == FORMAT_NAME
     assert document["version"] == FORMAT_VERSION
     assert list(document["fields"]) == FIELD_NAMES
-    assert document["fields"] == checkpoint.to_dict()
-    assert GradScalerCheckpoint.from_dict(document["fields"]) == checkpoint
+    fields = checkpoint.to_dict()
+    for name in SCALAR_NAMES:  # exactly: the same type and value
+        shown = document["fields"][name]
+        assert (type(shown), shown) == (type(fields[name]), fields[name]), name
+    shown_journal = document["fields"]["journal"]
+    assert len(shown_journal) == 4
+    for shown, expected in zip(shown_journal, expected_journal(journal)):
+        assert shown == expected
+    assert shown_journal[-1]["clip_coefficient"] == "-inf"
+    assert shown_journal[-1]["action_name"] == "at the ceiling"
+    assert document["fields"]["journal_names"] == [["0", "1"], ["embed.weight"]]
+    rebuilt = checkpoint_from_json(document["fields"])
+    assert rebuilt == checkpoint
+    assert rebuilt.to_bytes() == path.read_bytes()
 
 
 def test_inspect_json_flag_may_come_first(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -205,9 +357,9 @@ def test_inspect_corrupt_file_says_why(corrupt: Path, capsys: pytest.CaptureFixt
 
 
 def test_validate_good_files_of_every_version(good: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["validate", str(good), str(GOLDEN_V1), str(GOLDEN_V2)]) == 0
+    assert main(["validate", str(good), str(GOLDEN_V1), str(GOLDEN_V2), str(GOLDEN_V3)]) == 0
     captured = capsys.readouterr()
-    assert captured.out.splitlines() == [f"OK  {good}", f"OK  {GOLDEN_V1}", f"OK  {GOLDEN_V2}"]
+    assert captured.out.splitlines() == [f"OK  {good}", f"OK  {GOLDEN_V1}", f"OK  {GOLDEN_V2}", f"OK  {GOLDEN_V3}"]
     assert captured.err == ""
 
 
@@ -216,16 +368,19 @@ def test_validate_gives_the_messages_load_gives(tmp_path: Path, capsys: pytest.C
     v1_with_v2_field.write_bytes(_v1_with_remote_skips())
     invalid = tmp_path / "invalid.ckpt"
     invalid.write_bytes(_with_growths_true())
-    assert main(["validate", str(v1_with_v2_field), str(invalid)]) == 1
+    bad_journal = tmp_path / "bad-journal.ckpt"
+    bad_journal.write_bytes(_with_journal_step_beyond_steps())
+    assert main(["validate", str(v1_with_v2_field), str(invalid), str(bad_journal)]) == 1
     errors = capsys.readouterr().err.splitlines()
     expected = []
-    for path in (v1_with_v2_field, invalid):
+    for path in (v1_with_v2_field, invalid, bad_journal):
         with pytest.raises(CheckpointFieldError) as raised:
             GradScalerCheckpoint.load(path)
         expected.append(f"FAIL  {raised.value}")
     assert errors == expected
     assert "unknown field(s) 'remote_skipped_steps' for format version 1" in errors[0]
     assert errors[1].startswith(f"FAIL  checkpoint {str(invalid)!r}: Invalid 'growths'")
+    assert errors[2].startswith(f"FAIL  checkpoint {str(bad_journal)!r}: Invalid 'journal': steps must increase")
 
 
 def test_validate_reports_each_bad_file_on_stderr(
@@ -233,7 +388,7 @@ def test_validate_reports_each_bad_file_on_stderr(
 ) -> None:
     missing = tmp_path / "absent.ckpt"
     future = tmp_path / "future.ckpt"
-    future.write_bytes(_future_version(GOLDEN_V2.read_bytes()))
+    future.write_bytes(_future_version(GOLDEN_V3.read_bytes()))
     invalid = tmp_path / "invalid.ckpt"
     invalid.write_bytes(_with_growths_true())
     assert main(["validate", str(good), str(corrupt), str(missing), str(future), str(invalid), str(tmp_path)]) == 1
@@ -295,7 +450,7 @@ def test_script_validate_exit_codes_and_streams(good: Path, corrupt: Path, tmp_p
 def test_script_inspect_json_and_missing_file(good: Path, tmp_path: Path) -> None:
     shown = run_cli("inspect", "--json", str(good))
     assert shown.returncode == 0
-    assert GradScalerCheckpoint.from_dict(json.loads(shown.stdout)["fields"]) == make()
+    assert checkpoint_from_json(strict_json(shown.stdout)["fields"]) == make()
     missing = run_cli("inspect", str(tmp_path / "absent.ckpt"))
     assert missing.returncode == 1
     assert missing.stdout == ""
@@ -363,7 +518,8 @@ def _reseal(body: bytes) -> bytes:
 
 
 def _future_version(data: bytes) -> bytes:
-    body = data[:-5].replace(b"\xa7version\x02", b"\xa7version\x03", 1)
+    current = b"\xa7version" + bytes([FORMAT_VERSION])
+    body = data[:-5].replace(current, b"\xa7version" + bytes([FORMAT_VERSION + 1]), 1)
     assert body != data[:-5]
     return _reseal(body)
 
@@ -373,6 +529,14 @@ def _with_growths_true() -> bytes:
     body = data[:-5].replace(b"\xa7growths\x28", b"\xa7growths\xc3", 1)
     assert body != data[:-5]
     return _reseal(body)
+
+
+def _with_journal_step_beyond_steps() -> bytes:
+    """The version-3 golden file with its last journal entry one step past the checkpoint's steps."""
+    data = GOLDEN_V3.read_bytes()
+    last = GOLDEN_FIELDS["steps"].to_bytes(8, "little")
+    assert data[:-5].count(last) == 1
+    return _reseal(data[:-5].replace(last, (GOLDEN_FIELDS["steps"] + 1).to_bytes(8, "little"), 1))
 
 
 def _v1_with_remote_skips() -> bytes:

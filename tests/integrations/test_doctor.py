@@ -102,7 +102,9 @@ def test_an_old_checkpoint_has_no_journal_to_diagnose(capsys: pytest.CaptureFixt
     assert capsys.readouterr().out.startswith("OK  no journal:")
 
 
-def test_a_file_that_is_not_a_checkpoint_is_one_line_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_file_that_is_not_a_checkpoint_is_one_line_on_stderr(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     bad = tmp_path / "bad.ckpt"
     bad.write_bytes(b"not a checkpoint")
     assert main(["doctor", str(bad)]) == 1
