@@ -5,7 +5,8 @@ Subcommands::
     cupy-amp inspect FILE [--json]   print a file's fields
     cupy-amp inspect --torch FILE    print a checkpoint as PyTorch's GradScaler.state_dict(), as JSON
     cupy-amp validate FILE...        check that files are intact, valid checkpoints or optimizer states
-    cupy-amp doctor FILE [--json]    say what a checkpoint's step journal shows (cupy_amp.doctor)
+    cupy-amp doctor FILE [--json] [--plot IMAGE]
+                                     say what a checkpoint's step journal shows (cupy_amp.doctor)
     cupy-amp demo [options]          train a small fp16 classifier with the loss scaler
 
 ``inspect`` and ``validate`` take scaler checkpoints (``GradScalerCheckpoint.save``)
@@ -122,6 +123,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     doctor.add_argument("file", metavar="FILE", help="a scaler checkpoint (GradScalerCheckpoint.save())")
     doctor.add_argument("--json", action="store_true", help="print the findings as a JSON list")
+    doctor.add_argument(
+        "--plot",
+        metavar="FILE",
+        help="also draw the journal (scale, skips, growths, backoffs, norm) into FILE "
+        '(png, pdf, svg...; needs matplotlib: pip install "cupy-amp[demo]")',
+    )
     doctor.set_defaults(command=_doctor)
 
     # Listed for --help; `cupy-amp demo ...` is handed to the demo's own parser before this one runs.
@@ -232,7 +239,7 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from cupy_amp.doctor import diagnose
+    from cupy_amp.doctor import diagnose, plot
 
     try:
         _, checkpoint = read_checkpoint(args.file)
@@ -243,6 +250,12 @@ def _doctor(args: argparse.Namespace) -> int:
         _print(f"cupy-amp doctor: {exc}", sys.stderr)
         return EXIT_INVALID
     findings = diagnose(checkpoint)
+    if args.plot is not None:
+        try:
+            plot(checkpoint, args.plot)
+        except (ValueError, OSError) as exc:
+            _print(f"cupy-amp doctor: {exc}", sys.stderr)
+            return EXIT_INVALID
     if args.json:
         rows = [finding._asdict() for finding in findings]
         _print(json.dumps(rows, indent=2, allow_nan=False), sys.stdout)

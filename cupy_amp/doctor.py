@@ -7,6 +7,7 @@ problem is reported as healthy. The thresholds are stated with each rule.
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -14,7 +15,7 @@ import numpy as np
 from cupy_amp import journal as step_journal
 from cupy_amp.checkpoint import GradScalerCheckpoint
 
-__all__ = ["SKIP_RATE", "Finding", "diagnose"]
+__all__ = ["SKIP_RATE", "Finding", "diagnose", "plot"]
 
 SKIP_RATE = 0.05  # more skipped steps than this fraction of the journal is a problem
 _SOURCE_STEPS = 3  # overflows with the same first culprit, at scales at least _SOURCE_SPAN apart...
@@ -171,3 +172,58 @@ def _growth_blocked(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names
             {"overflows": overflows.tolist(), "median_gap": gap, "held": held},
         )
     ]
+
+
+def plot(checkpoint: GradScalerCheckpoint, path: str) -> None:
+    """Draw the journal into ``path`` (its extension names the format): the scale each step used, with the
+    skipped steps and what the rule did, and ``check()``'s norm where the steps had one.
+
+    Raises:
+        ValueError: matplotlib is missing, or writes no such format, or the folder does not exist; the
+            message says which.
+    """
+    try:
+        import matplotlib  # noqa: F401  (first: a missing package must not hide behind cached submodules)
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise ValueError('--plot needs matplotlib: pip install "cupy-amp[demo]" (or pip install matplotlib)') from None
+    extension = os.path.splitext(path)[1].lower().lstrip(".")
+    supported = FigureCanvasAgg(Figure()).get_supported_filetypes()
+    if extension not in supported:
+        raise ValueError(f"--plot {path}: matplotlib writes {', '.join(sorted(supported))} files; end the name so")
+    folder = os.path.dirname(path) or "."
+    if not os.path.isdir(folder):
+        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+    entries = checkpoint.journal_entries()
+    figure = Figure(figsize=(8, 6), layout="constrained")
+    FigureCanvasAgg(figure)
+    scale_axis, norm_axis = figure.subplots(2, 1, sharex=True)
+    steps, scales = entries["step"].astype(np.float64), entries["scale"].astype(np.float64)
+    scale_axis.step(steps, scales, where="post", color="tab:green", lw=1.2, label="scale used")
+    for action, marker, color in ((step_journal.BACKED_OFF, "v", "tab:red"), (step_journal.GREW, "^", "tab:blue")):
+        chosen = entries["action"] == action
+        if chosen.any():
+            label = f"{step_journal.ACTIONS[action]}: {int(chosen.sum())}"
+            scale_axis.plot(steps[chosen], scales[chosen], marker, color=color, ms=5, ls="none", label=label)
+    skipped = entries["agreed"] == 1
+    if skipped.any():
+        label = f"skipped: {int(skipped.sum())}"
+        scale_axis.plot(steps[skipped], scales[skipped], "x", color="black", ms=5, ls="none", label=label)
+    if len(entries):
+        scale_axis.set_yscale("log", base=2)
+    scale_axis.set(ylabel="loss scale", title=f"step journal: {len(entries)} steps")
+    scale_axis.grid(True, alpha=0.3)
+    scale_axis.legend(loc="lower right", fontsize="small")
+    checked = ~np.isnan(entries["norm"]) & np.isfinite(entries["norm"])
+    if checked.any():
+        norm_axis.plot(steps[checked], entries["norm"][checked], lw=1, color="tab:purple", label="check() norm")
+        norm_axis.set_yscale("log")
+        norm_axis.legend(loc="upper right", fontsize="small")
+    else:
+        norm_axis.text(
+            0.5, 0.5, "no step used check(): no norm", ha="center", va="center", transform=norm_axis.transAxes
+        )
+    norm_axis.set(ylabel="gradient norm (unscaled)", xlabel="step")
+    norm_axis.grid(True, alpha=0.3)
+    figure.savefig(path, dpi=110, format=extension)

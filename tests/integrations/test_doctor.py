@@ -111,3 +111,36 @@ def test_a_file_that_is_not_a_checkpoint_is_one_line_on_stderr(
     err = capsys.readouterr().err
     assert err.startswith("cupy-amp doctor:") and len(err.splitlines()) == 1
     assert main(["doctor", str(tmp_path / "missing.ckpt")]) == 1
+
+
+def test_plot_draws_the_journal_into_the_named_format(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    path = train(tmp_path / "source.ckpt", lambda step: {"attn.w"} if step >= 5 else set(), 30, init_scale=2.0**8)
+    assert main(["doctor", str(path), "--plot", str(tmp_path / "journal.png")]) == 0
+    assert (tmp_path / "journal.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["doctor", str(path), "--plot", str(tmp_path / "journal.svg")]) == 0
+    assert b"<svg" in (tmp_path / "journal.svg").read_bytes()[:400]
+
+
+def test_plot_refuses_an_unknown_format_or_folder_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    path = train(tmp_path / "ok.ckpt", lambda step: set(), 5)
+    assert main(["doctor", str(path), "--plot", str(tmp_path / "journal.xyz")]) == 1
+    assert "matplotlib writes" in capsys.readouterr().err
+    assert main(["doctor", str(path), "--plot", str(tmp_path / "no" / "journal.png")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "no").exists()
+
+
+def test_plot_without_matplotlib_says_how_to_install_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    path = train(tmp_path / "ok.ckpt", lambda step: set(), 5)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it raises ImportError
+    assert main(["doctor", str(path), "--plot", str(tmp_path / "journal.png")]) == 1
+    assert 'pip install "cupy-amp[demo]"' in capsys.readouterr().err
