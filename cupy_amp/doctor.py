@@ -18,8 +18,8 @@ from cupy_amp.checkpoint import GradScalerCheckpoint
 __all__ = ["SKIP_RATE", "Finding", "diagnose", "plot"]
 
 SKIP_RATE = 0.05  # more skipped steps than this fraction of the journal is a problem
-_SOURCE_STEPS = 3  # overflows with the same first culprit, at scales at least _SOURCE_SPAN apart...
-_SOURCE_SPAN = 8.0  # ...or down at the floor: the scale is not what makes that gradient inf/nan
+_SOURCE_STEPS = 3  # overflows with the same first culprit down at the floor (or at 1): not the scale's doing
+_FLOORED = 3  # backoffs stopped by the floor: the scale has collapsed
 _PINNED = 3  # growths stopped by max_scale with no overflow between them: the ceiling holds the scale down
 _BLOCKING = 3  # overflows closer than growth_interval, with no growth in the journal: growth is blocked
 _SOURCE_SHARE = 0.75  # of the overflows from a gradient's first to its last: it is the first culprit of most
@@ -50,7 +50,7 @@ def diagnose(checkpoint: GradScalerCheckpoint) -> list[Finding]:
     names = checkpoint.journal_names
     findings = [
         finding
-        for rule in (_inf_source, _skip_rate, _low_ceiling, _growth_blocked)
+        for rule in (_inf_source, _at_floor, _skip_rate, _low_ceiling, _growth_blocked)
         for finding in rule(checkpoint, entries, names)
     ]
     if not findings:
@@ -68,6 +68,16 @@ def diagnose(checkpoint: GradScalerCheckpoint) -> list[Finding]:
     return findings
 
 
+def _movable(checkpoint: GradScalerCheckpoint) -> bool:
+    """Whether the scale can move at all (a fixed scale, min_scale == max_scale, can neither back off nor grow)."""
+    return checkpoint.min_scale is None or checkpoint.max_scale is None or checkpoint.min_scale < checkpoint.max_scale
+
+
+def _floor(checkpoint: GradScalerCheckpoint) -> float:
+    """The lowest scale a backoff reaches: min_scale, or 1 when there is none (the journal's "down to 1")."""
+    return max(checkpoint.config().floor, 1.0)
+
+
 def _span(entries: np.ndarray) -> dict[str, Any]:
     return {"steps": len(entries), "first_step": int(entries["step"][0]), "last_step": int(entries["step"][-1])}
 
@@ -80,32 +90,53 @@ def _name(names: tuple[tuple[str, ...], ...], call: int, position: int) -> str:
 
 
 def _inf_source(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
-    """The same gradient held inf/nan first in overflow after overflow (at least 3, and 3 in 4 of the overflows
-    from its first to its last), at scales 8x apart or at the floor: the scale is not the cause (a smaller
-    scale cannot make an inf finite), so the scale falls for nothing."""
-    floor = checkpoint.min_scale if checkpoint.min_scale is not None else 0.0
+    """The same gradient held inf/nan first in overflows down at the floor (at least 3; or at a scale of 1 or
+    less), and in 3 of 4 of the overflows from its first to its last: backing off did not help, since a
+    smaller scale cannot make an inf finite. A start from too high a scale stops overflowing on the way
+    down, so it is not one of these."""
+    if not _movable(checkpoint):
+        return []
+    floor = np.float32(_floor(checkpoint))
     bad = entries[(entries["local"] == 1) & (entries["culprit"] >= 0)]
     findings = []
     for call, position in sorted({(int(e["culprit_call"]), int(e["culprit"])) for e in bad}):
         mine = bad[(bad["culprit_call"] == call) & (bad["culprit"] == position)]
-        low, high = float(mine["scale"].min()), float(mine["scale"].max())
         first, last = int(mine["step"][0]), int(mine["step"][-1])
         during = int(np.sum((entries["agreed"] == 1) & (entries["step"] >= first) & (entries["step"] <= last)))
-        spread = high >= _SOURCE_SPAN * low or low <= max(floor, 1.0)
-        if len(mine) >= _SOURCE_STEPS and spread and len(mine) >= _SOURCE_SHARE * during:
+        at_floor = int(np.sum(mine["scale"] <= floor))
+        if at_floor >= _SOURCE_STEPS and len(mine) >= _SOURCE_SHARE * during:
             name = _name(names, call, position)
-            steps = mine["step"].tolist()
+            high, low = float(mine["scale"].max()), float(mine["scale"].min())
             findings.append(
                 Finding(
                     "inf source",
                     True,
                     f"Gradient {name!r} held inf/nan first in {len(mine)} skipped steps, at every scale from "
-                    f"{high:g} down to {low:g}: the scale is not the cause. Look at what computes {name!r} "
-                    f"(a log or a division of 0, a bad batch, a learning rate that diverged) from step {steps[0]}.",
-                    {"gradient": name, "steps": steps, "scales": mine["scale"].tolist()},
+                    f"{high:g} down to {low:g}, {at_floor} of them at the floor: the scale is not the cause. Look at "
+                    f"what computes {name!r} (a log or a division of 0, a bad batch, a learning rate that "
+                    f"diverged) from step {first}. (Names are those of the last step's gradient calls.)",
+                    {"gradient": name, "steps": mine["step"].tolist(), "scales": mine["scale"].tolist()},
                 )
             )
     return findings
+
+
+def _at_floor(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """Backoffs stopped by the floor, at least 3 of them, and the scale still there: it has collapsed."""
+    stopped = entries[entries["action"] == step_journal.AT_FLOOR]
+    if not _movable(checkpoint) or len(stopped) < _FLOORED or entries["next_scale"][-1] > stopped["scale"][-1]:
+        return []
+    floor = float(stopped["scale"][-1])
+    return [
+        Finding(
+            "scale at the floor",
+            True,
+            f"The scale has collapsed to its floor, {floor:g}: {len(stopped)} backoffs were stopped there (from step "
+            f"{int(stopped['step'][0])}), so the gradients overflow even unscaled by more than that. An inf/nan "
+            f"source (see its finding) or too high a learning rate does this; min_scale only hides it.",
+            {"steps": stopped["step"].tolist(), "floor": floor},
+        )
+    ]
 
 
 def _skip_rate(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
@@ -131,6 +162,8 @@ def _skip_rate(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any
 def _low_ceiling(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
     """Growths stopped by max_scale, at least _PINNED of them after the last overflow: the clean steps would
     have let the scale grow, so gradients keep less headroom against underflow than they could."""
+    if not _movable(checkpoint) or checkpoint.max_scale is None:
+        return []  # a fixed scale cannot grow; without a ceiling, only float32's range stops a growth
     overflows = np.flatnonzero(entries["agreed"] == 1)
     after = entries[overflows[-1] + 1 :] if len(overflows) else entries
     pinned = after[after["action"] == step_journal.AT_CEILING]
@@ -149,16 +182,16 @@ def _low_ceiling(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: A
 
 
 def _growth_blocked(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
-    """No growth in a journal of at least two growth intervals, with overflows (at least 3) closer together
-    than growth_interval (the median gap): each resets the count of clean steps, so the scale cannot grow.
+    """No growth in the journal, with overflows (at least 3) closer together than growth_interval (the median
+    gap): each resets the count of clean steps, so the scale cannot grow.
     Hysteresis holds the scale at the first overflows after a growth, and never refills without one."""
     interval = checkpoint.growth_interval
     overflows = entries["step"][entries["agreed"] == 1].astype(np.int64)
-    if np.any(entries["action"] == step_journal.GREW) or len(entries) < 2 * interval or len(overflows) < _BLOCKING:
+    if not _movable(checkpoint) or np.any(entries["action"] == step_journal.GREW) or len(overflows) < _BLOCKING:
         return []
     gap = float(np.median(np.diff(overflows)))
-    if gap >= interval:
-        return []
+    if gap >= interval or gap <= 1.0:
+        return []  # rare enough to allow growth, or every step overflows (no clean steps to count: see the floor)
     held = int(np.sum(entries["action"] == step_journal.HELD))
     by = f", {held} of them held by hysteresis (hysteresis = {checkpoint.hysteresis}, refilled only by a growth)"
     return [
@@ -194,7 +227,7 @@ def plot(checkpoint: GradScalerCheckpoint, path: str) -> None:
         raise ValueError(f"--plot {path}: matplotlib writes {', '.join(sorted(supported))} files; end the name so")
     folder = os.path.dirname(path) or "."
     if not os.path.isdir(folder):
-        raise ValueError(f"--plot {path}: the folder {folder} does not exist")
+        raise ValueError(f"--plot {path}: {folder} is not a folder")
     entries = checkpoint.journal_entries()
     figure = Figure(figsize=(8, 6), layout="constrained")
     FigureCanvasAgg(figure)
@@ -226,4 +259,9 @@ def plot(checkpoint: GradScalerCheckpoint, path: str) -> None:
         )
     norm_axis.set(ylabel="gradient norm (unscaled)", xlabel="step")
     norm_axis.grid(True, alpha=0.3)
-    figure.savefig(path, dpi=110, format=extension)
+    try:
+        figure.savefig(path, dpi=110, format=extension)
+    except OSError:
+        raise
+    except Exception as exc:  # a format that needs a program matplotlib did not find (pgf: LaTeX), and the like
+        raise ValueError(f"--plot {path}: matplotlib could not write it ({type(exc).__name__}: {exc})") from None

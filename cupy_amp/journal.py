@@ -21,6 +21,7 @@ An entry (:data:`ENTRY`, a NumPy structured dtype) holds:
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import numpy as np
@@ -75,12 +76,16 @@ def expect_capacity(value: Any) -> int:
     Raises:
         ConfigError: Anything else.
     """
-    if type(value) is not int or not 0 <= value <= MAX_CAPACITY:
+    try:
+        count = operator.index(value) if not isinstance(value, (bool, np.bool_)) else None
+    except TypeError:
+        count = None
+    if count is None or not 0 <= count <= MAX_CAPACITY:
         raise ConfigError(
             f"journal: expected the number of steps to keep, an int from 0 (no journal) to {MAX_CAPACITY}; "
             f"got {value!r}."
         )
-    return value
+    return int(count)
 
 
 def action_of(config: ScalerConfig, before: ScalerState, after: ScalerState, overflow: bool) -> int:
@@ -113,9 +118,11 @@ def entries(ring: np.ndarray, steps: int) -> np.ndarray:
     capacity = len(ring)
     if capacity == 0:
         return np.zeros(0, dtype=ENTRY)
-    numbers = ring["step"].astype(np.int64)
-    held = (numbers >= 1) & (numbers <= steps) & (numbers > steps - capacity)
-    held &= (numbers - 1) % capacity == np.arange(capacity)
+    numbers = ring["step"]  # uint64: steps up to 2**64 - 1 compare as they are
+    held = (numbers >= 1) & (numbers <= np.uint64(steps))
+    if steps >= capacity:
+        held &= numbers > np.uint64(steps - capacity)
+    held &= (numbers - np.uint64(1)) % np.uint64(capacity) == np.arange(capacity, dtype=np.uint64)
     chosen = ring[held]
     return _copy(chosen[np.argsort(chosen["step"], kind="stable")])
 
@@ -125,7 +132,7 @@ def place(capacity: int, chosen: np.ndarray) -> np.ndarray:
     ring = np.zeros(capacity, dtype=ENTRY)
     if capacity:
         kept = chosen[len(chosen) - capacity :] if len(chosen) > capacity else chosen
-        ring[(kept["step"].astype(np.int64) - 1) % capacity] = kept
+        ring[((kept["step"] - np.uint64(1)) % np.uint64(capacity)).astype(np.int64)] = kept
     return ring
 
 

@@ -279,6 +279,7 @@ class DeviceState:
             record["bad_votes"] = current["bad_votes"]
             # The open step's culprits stay with its epoch: a repair mid-step keeps them for the journal's entry.
             record["culprits"], record["first_culprit"] = current["culprits"], current["first_culprit"]
+            record["checked_epoch"] = current["checked_epoch"]  # and whether its check() finished (its norm)
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             self.stats.skip.fill(1)  # a restored state's record says "skip" until a check() completes
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary

@@ -100,9 +100,11 @@ class HostState:
     def _count(self, culprits: tuple[int, ...], number: int) -> None:
         """Count a call's culprits for the journal (the first, by call and position, kept), and the overflow."""
         if culprits:
-            self._culprits += len(culprits)
             first = (number, min(culprits))
-            self._first_culprit = first if self._first_culprit is None else min(self._first_culprit, first)
+            self._culprits, self._first_culprit = (  # one statement: an interrupt leaves both or neither
+                self._culprits + len(culprits),
+                first if self._first_culprit is None else min(self._first_culprit, first),
+            )
             self.mark_overflow()
 
     def prepare(self, call: Any) -> None:

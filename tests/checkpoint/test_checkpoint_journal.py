@@ -441,3 +441,17 @@ def test_mutated_journals_and_names_raise_only_checkpoint_errors(
     # Accepted: then it is valid by every rule, and re-encodes to what a valid checkpoint's bytes are.
     assert GradScalerCheckpoint.from_bytes(checkpoint.to_bytes()) == checkpoint
     assert step_journal.from_bytes(checkpoint.journal, checkpoint.steps).size == len(checkpoint.journal) // 40
+
+
+def test_a_scaler_keeps_a_journal_of_steps_past_two_to_the_63() -> None:
+    # Steps compare as unsigned 64-bit numbers in the ring too: past 2**63 a signed view wrapped and hid them.
+    journal = entry(2**63 - 1) + entry(2**63) + entry(2**63 + 1)
+    changes = {"steps": 2**63 + 1, "skipped_steps": 0, "growths": 0, "backoffs": 0, "remote_skipped_steps": 0}
+    checkpoint = GradScalerCheckpoint.from_bytes(journal_document(journal, **changes))
+    scaler = GradScaler(journal=4)
+    scaler.load_checkpoint(checkpoint)
+    assert scaler.journal()["step"].tolist() == [2**63 - 1, 2**63, 2**63 + 1]
+    scaler.scale_loss(np.ones((), np.float32))
+    scaler.unscale_and_check([np.ones(2, np.float32)])
+    scaler.update()
+    assert scaler.journal()["step"].tolist() == [2**63 - 1, 2**63, 2**63 + 1, 2**63 + 2]

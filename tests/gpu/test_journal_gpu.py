@@ -149,3 +149,22 @@ def test_a_scaler_placed_on_the_gpu_keeps_the_steps_it_made_before_any_array() -
     assert entries["step"].tolist() == [1, 2]
     assert entries["agreed"].tolist() == [0, 1] and entries["culprit"].tolist() == [-1, 1]
     assert entries["action"].tolist() == [journal.KEPT, journal.AT_FLOOR]
+
+
+def test_an_update_interrupted_at_any_line_journals_the_checks_norm() -> None:
+    # A repair of the state from the host mirror (after an interrupted update()) keeps the step's mark that
+    # its check() finished, so the retried rule journals the norm, as the NumPy path does.
+    from interrupts import interrupted
+
+    k, reached = 1, True
+    while reached:
+        scaler = GradScaler(init_scale=4.0, growth_interval=1)
+        scaler.scale_loss(cupy.ones((), cupy.float32))
+        stats = scaler.check([cupy.full(4, 8.0, cupy.float32)], max_norm=1.0)
+        norm = float(stats.norm)
+        reached = interrupted(scaler.update, k)
+        if scaler.is_step_open():
+            scaler.update()
+        (entry,) = scaler.journal()
+        assert (entry["norm"], entry["clip_coefficient"]) == (norm, np.float32(1.0 / (norm + 1e-6))), f"line {k}"
+        k += 1
