@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -67,10 +69,10 @@ def ceiling(weights: dict[str, Any], fwd: Any, y: Any, weight: float, scale: flo
         probe /= 2.0**8
 
 
-def bisect_rule(entries: np.ndarray, growth_factor: float, growth_interval: int) -> float | None:
+def bisect_rule(entries: np.ndarray, growth_factor: float, growth_interval: int, climb: int = 4) -> float | None:
     """Return the scale the next step should use, from the journal (oldest first); None: the scaler's own.
 
-    - No overflow yet: after each clean step, grow by growth_factor**4 (from a scale far too low, the
+    - No overflow yet: after each clean step, grow by growth_factor**climb (from a scale far too low, the
       right one comes in a few steps).
     - The last steps overflowed and no scale below them is known clean: back off by growth_factor**(2**n)
       after the n-th overflow in a row (from a scale far too high).
@@ -84,7 +86,7 @@ def bisect_rule(entries: np.ndarray, growth_factor: float, growth_interval: int)
     overflowed = entries["agreed"] == 1
     last = entries[-1]
     if not overflowed.any():
-        return float(last["scale"]) * growth_factor**4
+        return float(last["scale"]) * growth_factor**climb
     run = 0
     for flag in overflowed[::-1]:
         if not flag:
@@ -108,7 +110,9 @@ def bisect_rule(entries: np.ndarray, growth_factor: float, growth_interval: int)
     return min(probe, float(last["next_scale"])) if overflowed[-1] else probe
 
 
-def headroom_rule(entries: np.ndarray, growth_factor: float, growth_interval: int) -> float | None:
+def headroom_rule(
+    entries: np.ndarray, growth_factor: float, growth_interval: int, climb: int = 4, margin: int = 1
+) -> float | None:
     """:func:`bisect_rule`, then, where it leaves the scale to PyTorch's rule: follow the ceiling that the last
     overflow showed, moved by how far check()'s norm has fallen since.
 
@@ -117,7 +121,7 @@ def headroom_rule(entries: np.ndarray, growth_factor: float, growth_interval: in
     largest power of growth_factor (times the current scale) at least one growth factor below that
     estimate; it never moves down here (a backoff does that).
     """
-    chosen = bisect_rule(entries, growth_factor, growth_interval)
+    chosen = bisect_rule(entries, growth_factor, growth_interval, climb)
     if chosen is not None or len(entries) == 0:
         return chosen
     overflowed = entries["agreed"] == 1
@@ -131,7 +135,7 @@ def headroom_rule(entries: np.ndarray, growth_factor: float, growth_interval: in
         return None
     estimate = float(entries["scale"][latest]) * float(before["norm"][-1]) / float(last["norm"])
     current = float(last["next_scale"])
-    steps = math.floor(math.log(estimate / current, growth_factor)) - 1  # whole growth factors, one left as margin
+    steps = math.floor(math.log(estimate / current, growth_factor)) - margin  # whole growth factors, margin left
     return current * growth_factor**steps if steps >= 1 else None
 
 
@@ -216,7 +220,14 @@ def train(rule: str, start: float, seed: int, steps: int) -> Run:
     return result
 
 
-RULES = {"bisect": bisect_rule, "headroom": headroom_rule}
+RULES: dict[str, Callable[[np.ndarray, float, int], float | None]] = {
+    "bisect": bisect_rule,
+    "headroom": headroom_rule,
+    # Variants: a slower climb (2x per step), and a wider margin below the norm's estimate (4x).
+    "headroom-c1": functools.partial(headroom_rule, climb=1),
+    "headroom-m2": functools.partial(headroom_rule, margin=2),
+    "headroom-c1m2": functools.partial(headroom_rule, climb=1, margin=2),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--starts", nargs="+", default=["2**36", "1", "2**44"])
-    parser.add_argument("--rules", nargs="+", default=["torch", "bisect", "headroom"])
+    parser.add_argument("--rules", nargs="+", default=["torch", "bisect", "headroom"], choices=["torch", *RULES])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     runs = []
