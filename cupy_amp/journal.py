@@ -157,7 +157,8 @@ def from_bytes(data: bytes, steps: int) -> np.ndarray:
     chosen = _copy(np.frombuffer(data, dtype=ENTRY))
     numbers = chosen["step"]  # uint64, compared as such: a cast to int64 would wrap steps from 2**63 on
     problems = []
-    if len(chosen) and (numbers[0] < 1 or numbers[-1] > steps or np.any(numbers[1:] <= numbers[:-1])):
+    last = np.uint64(min(steps, 2**64 - 1))  # NumPy 1 compares uint64 with a Python int through float64
+    if len(chosen) and (numbers[0] < np.uint64(1) or numbers[-1] > last or np.any(numbers[1:] <= numbers[:-1])):
         problems.append(f"steps must increase, from 1 to the scaler's {steps}")
     if np.any(chosen["action"] >= len(ACTIONS)) or np.any(chosen["local"] > 1) or np.any(chosen["agreed"] > 1):
         problems.append(f"action must be below {len(ACTIONS)}, local and agreed 0 or 1")

@@ -220,6 +220,12 @@ def train(rule: str, start: float, seed: int, steps: int) -> Run:
     return result
 
 
+def parse_scale(text: str) -> float:
+    """A start scale from the command line: a number, or a power written ``2**36``."""
+    base, _, exponent = text.partition("**")
+    return float(base) ** float(exponent) if exponent else float(base)
+
+
 RULES: dict[str, Callable[[np.ndarray, float, int], float | None]] = {
     "bisect": bisect_rule,
     "headroom": headroom_rule,
@@ -243,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     header = f"{'rule':8} {'start':>6} {'seed':>4} {'skipped':>7} {'<ceil/2':>7} {'settled':>7} {'zero|sub':>8} "
     print(header + f"{'loss50':>8} {'eval':>8} {'acc':>6}")
     for start_text in args.starts:
-        start = float(eval(start_text, {"__builtins__": {}}))  # "2**36" and the like, from the command line
+        start = parse_scale(start_text)
         for seed in args.seeds:
             for rule in args.rules:
                 run = train(rule, start, seed, args.steps)

@@ -83,7 +83,7 @@ import cupy_amp
 from cupy_amp import GradScaler
 
 sys.path.insert(0, os.path.dirname(__file__))  # rule_study is a sibling script, not a package
-from rule_study import FP16_MAX, FP16_TINY, RULES
+from rule_study import FP16_MAX, FP16_TINY, RULES, parse_scale
 
 # Autograd nodes that only change a tensor's layout: what enters them leaves them, to a node that records it.
 LAYOUT_NODES = frozenset(
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         best[seed] = task.best_loss
         print(f"# seed {seed}: the chain's entropy, the lowest loss possible: {task.best_loss:.4f}", flush=True)
         for start_text in args.starts:
-            start = float(eval(start_text, {"__builtins__": {}}))  # "2**16" and the like, from the command line
+            start = parse_scale(start_text)
             for rule in args.rules:
                 if args.budget_s is not None and time.time() - began + last > args.budget_s:
                     print(f"stopped: the next run would pass --budget-s {args.budget_s:g}")
