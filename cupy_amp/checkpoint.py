@@ -29,7 +29,15 @@ from cupy_amp.errors import (
     CheckpointFieldError,
     ConfigError,
 )
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool, expect_int, expect_scale
+from cupy_amp.rule import (
+    FLOAT32_MAX,
+    PYTORCH,
+    ScalerConfig,
+    ScalerState,
+    expect_bool,
+    expect_int,
+    expect_scale,
+)
 
 __all__ = [
     "FILE_PREFIX",
@@ -44,6 +52,19 @@ __all__ = [
 
 TORCH_STATE_DICT_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _COUNTERS = ("steps", "skipped_steps", "growths", "backoffs", "remote_skipped_steps")
+# The headroom rule's float32 memory (cupy_amp.rule.ScalerState): 0 (none) or a positive float32 value.
+_MEMORY_FLOATS = ("overflow_scale", "overflow_norm", "clean_scale", "clean_norm")
+# The fields a dict may leave out (from_dict): the journal's, and the rule's (PyTorch's, no memory).
+_OPTIONAL = ("rule", *_MEMORY_FLOATS, "overflows_in_row", "journal", "journal_names")
+
+
+def _memory_float(name: str, value: object) -> float:
+    """Return ``value`` if it is 0 or a positive finite value float32 holds exactly."""
+    if isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        as_float = float(value)
+        if as_float == 0.0 or (0.0 < as_float <= FLOAT32_MAX and float(np.float32(as_float)) == as_float):
+            return as_float
+    raise CheckpointFieldError(f"Invalid {name!r}: expected 0 or a positive float32 value, got {value!r}.")
 
 
 @dataclass(frozen=True)
@@ -74,6 +95,12 @@ class GradScalerCheckpoint:
     growths: int
     backoffs: int
     remote_skipped_steps: int
+    rule: str = PYTORCH  # how the scale moves (cupy_amp.rule.RULES), and the headroom rule's memory:
+    overflow_scale: float = 0.0
+    overflow_norm: float = 0.0
+    clean_scale: float = 0.0
+    clean_norm: float = 0.0
+    overflows_in_row: int = 0
     journal: bytes = b""  # the step journal's entries (cupy_amp.journal), oldest first
     journal_names: tuple[tuple[str, ...], ...] = ()  # the last step's gradient names, call by call
 
@@ -108,6 +135,15 @@ class GradScalerCheckpoint:
         _at_most("growths", self.growths, "steps - skipped_steps", self.steps - self.skipped_steps)
         _at_most("backoffs", self.backoffs, "skipped_steps", self.skipped_steps)
         _at_most("remote_skipped_steps", self.remote_skipped_steps, "skipped_steps", self.skipped_steps)
+        for name in _MEMORY_FLOATS:
+            set_field(self, name, _memory_float(name, getattr(self, name)))
+        set_field(self, "overflows_in_row", expect_int(CheckpointFieldError, "overflows_in_row", self.overflows_in_row, 0))
+        _at_most("overflows_in_row", self.overflows_in_row, "skipped_steps", self.skipped_steps)
+        if config.rule == PYTORCH and any(getattr(self, name) for name in (*_MEMORY_FLOATS, "overflows_in_row")):
+            raise CheckpointFieldError(
+                "Invalid checkpoint: the headroom rule's fields (overflow_scale, overflow_norm, clean_scale, "
+                "clean_norm, overflows_in_row) must be 0 with rule='pytorch', which keeps none of them."
+            )
         if not isinstance(self.journal, (bytes, bytearray)):
             raise CheckpointFieldError(f"Invalid 'journal': expected bytes, got {type(self.journal).__name__}.")
         set_field(self, "journal", bytes(self.journal))
@@ -159,16 +195,15 @@ class GradScalerCheckpoint:
 
     @classmethod
     def from_dict(cls, fields: Mapping[str, Any]) -> GradScalerCheckpoint:
-        """Build a checkpoint from a mapping holding exactly the checkpoint's fields (``journal`` and
-        ``journal_names`` may be left out: no journal).
+        """Build a checkpoint from a mapping holding exactly the checkpoint's fields (the journal's and
+        the rule's may be left out: no journal, PyTorch's rule).
 
         Raises:
             CheckpointFieldError: A field is missing or unknown, or a value is invalid.
         """
         names = [field.name for field in dataclasses.fields(cls)]
-        optional = ("journal", "journal_names")  # a dict of an older version's fields: no journal
-        present = (
-            [name for name in names if name not in optional or name in fields] if isinstance(fields, Mapping) else names
+        present = (  # a dict of an older version's fields: PyTorch's rule, no journal
+            [name for name in names if name not in _OPTIONAL or name in fields] if isinstance(fields, Mapping) else names
         )
         expect_exactly(fields, present, "Invalid checkpoint", "field")
         return cls(**{name: fields[name] for name in present})
@@ -184,12 +219,12 @@ class GradScalerCheckpoint:
         """
         lost = [
             f"{name}={getattr(self, name)!r}"
-            for name, neutral in (("min_scale", None), ("max_scale", None), ("hysteresis", 1))
+            for name, neutral in (("min_scale", None), ("max_scale", None), ("hysteresis", 1), ("rule", PYTORCH))
             if getattr(self, name) != neutral
         ]
         if lost:
             warnings.warn(
-                f"PyTorch's GradScaler has no scale clamps or hysteresis: the state dict drops {', '.join(lost)}, "
+                f"PyTorch's GradScaler has no scale clamps, hysteresis or other rule: the state dict drops {', '.join(lost)}, "
                 f"so PyTorch's scale will not follow this scaler's from here.",
                 UserWarning,
                 stacklevel=2,

@@ -4,8 +4,8 @@ A file (format version 2) is one msgpack map with exactly four entries, in this 
 
     "format"  -> "cupy-amp.grad-scaler"
     "version" -> 2                      (an int; never a bool)
-    "payload" -> {field name: value}    (nil, bool, int or float64 values; from version 3, the journal's
-                                         bin and its array of arrays of names)
+    "payload" -> {field name: value}    (nil, bool, int or float64 values; from version 3, the rule's
+                                         string, the journal's bin and its array of arrays of names)
     "crc32"   -> CRC-32 of every byte before this value, as a msgpack uint32
 
 so a file always ends with ``0xCE`` and the four big-endian bytes of the
@@ -29,11 +29,15 @@ Versions:
    skipped steps whose overflow was on another rank only). A version-1 payload
    must hold exactly the version-1 fields; it is upgraded with
    ``found_overflow_local = found_overflow`` and ``remote_skipped_steps = 0``.
-3. Adds ``journal`` (a bin: the step journal's entries, oldest first, each
-   :data:`cupy_amp.journal.ENTRY`'s little-endian bytes) and ``journal_names``
-   (an array with one array per gradient call of the last step, of each
-   gradient's name as a string; empty when not kept), both last. A version-2
-   payload is upgraded with an empty journal and no names.
+3. Adds, last and in this order: ``rule`` (a string: ``"pytorch"`` or
+   ``"headroom"``), the headroom rule's memory ``overflow_scale``,
+   ``overflow_norm``, ``clean_scale``, ``clean_norm`` (floats) and
+   ``overflows_in_row`` (an int), ``journal`` (a bin: the step journal's
+   entries, oldest first, each :data:`cupy_amp.journal.ENTRY`'s little-endian
+   bytes) and ``journal_names`` (an array with one array per gradient call of
+   the last step, of each gradient's name as a string; empty when not kept).
+   A version-2 payload is upgraded with PyTorch's rule (its memory 0), an
+   empty journal and no names.
 """
 
 from __future__ import annotations
@@ -248,12 +252,14 @@ def _upgrade_v1(fields: dict[str, object]) -> dict[str, object]:
 
 
 def _upgrade_v2(fields: dict[str, object]) -> dict[str, object]:
-    """Return the version-3 fields of a version-2 payload: no journal and no names (its fields are judged later)."""
+    """Return the version-3 fields of a version-2 payload: PyTorch's rule, no journal and no names (its fields are
+    judged later)."""
     if any(name in fields for name in _NESTED):
         raise CheckpointFieldError(
             f"Invalid checkpoint: unknown field(s) {', '.join(map(repr, _NESTED))} for format version 2."
         )
-    return {**fields, "journal": b"", "journal_names": []}
+    rule = {"rule": "pytorch", "overflow_scale": 0.0, "overflow_norm": 0.0, "clean_scale": 0.0, "clean_norm": 0.0}
+    return {**fields, **rule, "overflows_in_row": 0, "journal": b"", "journal_names": []}
 
 
 # _MIGRATIONS[v] turns version v's payload into version v + 1's (a new dict). A change to the

@@ -28,7 +28,7 @@ import numpy as np
 
 from cupy_amp.errors import CheckpointFieldError, ConfigError
 from cupy_amp.kernel_interface import JOURNAL_ENTRY
-from cupy_amp.rule import ScalerConfig, ScalerState
+from cupy_amp.rule import HEADROOM, ScalerConfig, ScalerState
 
 __all__ = [
     "ACTIONS",
@@ -91,6 +91,10 @@ def expect_capacity(value: Any) -> int:
 def action_of(config: ScalerConfig, before: ScalerState, after: ScalerState, overflow: bool) -> int:
     """Return what the rule did in a step that took ``before`` to ``after`` (as ``write_journal`` tells it)."""
     changed = np.float32(after.scale).tobytes() != np.float32(before.scale).tobytes()
+    if config.rule == HEADROOM:  # no hysteresis; a clean step's scale stays only below its next move or at the ceiling
+        if overflow:
+            return BACKED_OFF if changed else AT_FLOOR
+        return GREW if changed else AT_CEILING if before.scale == config.ceiling else KEPT
     if overflow:
         if max(before.hysteresis_tracker - 1, 0) != 0:
             return HELD

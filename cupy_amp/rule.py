@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import dataclasses
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -22,6 +23,9 @@ from cupy_amp.errors import ConfigError
 
 __all__ = [
     "FLOAT32_MAX",
+    "HEADROOM",
+    "PYTORCH",
+    "RULES",
     "INT_MAX",
     "SMALLEST_SCALE",
     "GradScalerStats",
@@ -31,6 +35,7 @@ __all__ = [
     "expect_float",
     "expect_int",
     "expect_scale",
+    "headroom_state",
     "initial_state",
     "inverse_scale",
     "next_state",
@@ -39,6 +44,9 @@ __all__ = [
 ]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# The scale rules a scaler can follow (ScalerConfig.rule): PyTorch's, and the headroom rule (headroom_state).
+PYTORCH, HEADROOM = "pytorch", "headroom"
+RULES = (PYTORCH, HEADROOM)
 # The smallest float32 whose float32 inverse is finite (2**-128 + 2**-149): below it the
 # inverse is inf and unscaling would turn finite gradients into inf/nan.
 SMALLEST_SCALE = float.fromhex("0x1.000008p-128")
@@ -137,6 +145,8 @@ class ScalerConfig:
             still never makes the scale infinite). Held in float32.
         hysteresis: Overflowing steps needed before the scale backs off (int >= 1);
             the count refills whenever the scale grows.
+        rule: How the scale moves: ``"pytorch"`` (PyTorch's rule, the default) or
+            ``"headroom"`` (:func:`next_state` gives both; the latter needs ``hysteresis=1``).
     """
 
     growth_factor: float = 2.0
@@ -145,6 +155,7 @@ class ScalerConfig:
     min_scale: float | None = 1.0
     max_scale: float | None = 2.0**24
     hysteresis: int = 1
+    rule: str = PYTORCH
 
     def __post_init__(self) -> None:
         set_field = object.__setattr__
@@ -158,10 +169,22 @@ class ScalerConfig:
             set_field(self, "min_scale", expect_scale(ConfigError, "min_scale", self.min_scale))
         if self.max_scale is not None:
             set_field(self, "max_scale", expect_scale(ConfigError, "max_scale", self.max_scale))
+        if self.rule not in RULES:
+            raise ConfigError(f"Invalid 'rule': expected one of {', '.join(map(repr, RULES))}, got {self.rule!r}.")
+        if self.rule == HEADROOM and self.hysteresis != 1:
+            raise ConfigError(
+                f"Invalid 'hysteresis': expected 1 with rule='headroom' (it backs off at every overflow), "
+                f"got {self.hysteresis!r}. Pass hysteresis=1, or rule='pytorch'."
+            )
         if self.min_scale is not None and self.max_scale is not None and self.min_scale > self.max_scale:
             raise ConfigError(
                 f"Invalid 'min_scale': expected a value <= max_scale ({self.max_scale!r}), got {self.min_scale!r}."
             )
+
+    @property
+    def ceiling(self) -> float:
+        """The largest scale a growth can reach: ``max_scale``, or :data:`FLOAT32_MAX` without one."""
+        return FLOAT32_MAX if self.max_scale is None else self.max_scale
 
     @property
     def floor(self) -> float:
@@ -195,6 +218,13 @@ class ScalerState:
         backoffs: Times the scale shrank.
         remote_skipped_steps: Of the skipped steps, those where this process's own
             gradients were finite and only another rank's overflowed.
+        overflow_scale: ``rule="headroom"``: the scale of the latest overflow (0: none yet).
+        overflow_norm: The norm of the last clean step (with ``check()``) before that overflow (0: none).
+        clean_scale: The highest scale seen clean below ``overflow_scale`` (0: none).
+        clean_norm: The norm of the last clean step with ``check()`` (0: none).
+        overflows_in_row: Overflowing steps in a row (with ``rule="headroom"``; else 0).
+
+    The last five are the headroom rule's memory; PyTorch's rule leaves them 0.
     """
 
     scale: float
@@ -205,6 +235,11 @@ class ScalerState:
     growths: int = 0
     backoffs: int = 0
     remote_skipped_steps: int = 0
+    overflow_scale: float = 0.0
+    overflow_norm: float = 0.0
+    clean_scale: float = 0.0
+    clean_norm: float = 0.0
+    overflows_in_row: int = 0
 
 
 @dataclass(frozen=True)
@@ -275,14 +310,19 @@ def initial_state(config: ScalerConfig, init_scale: object) -> ScalerState:
 
 
 def next_state(
-    config: ScalerConfig, state: ScalerState, found_overflow: bool, found_overflow_local: bool | None = None
+    config: ScalerConfig,
+    state: ScalerState,
+    found_overflow: bool,
+    found_overflow_local: bool | None = None,
+    norm: float = math.nan,
 ) -> ScalerState:
     """Return the state after a step that did or did not overflow.
 
     ``found_overflow`` is the verdict all ranks agreed on;
     ``found_overflow_local`` whether this process's own gradients overflowed
     (defaults to the verdict, as in a single process). It only feeds the
-    ``remote_skipped_steps`` counter.
+    ``remote_skipped_steps`` counter. ``norm`` is the step's ``check()`` norm
+    (NaN without one); only ``rule="headroom"`` reads it (:func:`headroom_state`).
 
     The rule, with products taken in float64 and rounded to float32::
 
@@ -300,6 +340,8 @@ def next_state(
                 consecutive_good_steps = 0
                 hysteresis_tracker = hysteresis
     """
+    if config.rule == HEADROOM:
+        return headroom_state(config, state, found_overflow, found_overflow_local, norm)
     scale = state.scale
     if found_overflow:
         hysteresis_tracker = max(state.hysteresis_tracker - 1, 0)
@@ -332,6 +374,125 @@ def next_state(
         growths=state.growths + (scale != state.scale),
         backoffs=state.backoffs,
         remote_skipped_steps=state.remote_skipped_steps,
+    )
+
+
+# How far the headroom rule climbs after each clean step until its first overflow: growth_factor**4.
+CLIMB = 4
+# The most growth factors the headroom rule counts between two scales (more would never be probed anyway).
+MAX_FACTORS = 64
+# From the 6th overflow in a row on, a descent with no clean scale known below is backoff_factor**32 a step.
+MAX_DESCENT = 6
+
+
+def _times(value: float, factor: float, count: int) -> float:
+    """``value`` multiplied ``count`` times by ``factor``, each product in float64 rounded to float32."""
+    for _ in range(count):
+        value = to_float32(value * factor)
+    return value
+
+
+def _factors_between(low: float, high: float, factor: float) -> int:
+    """The fewest products by ``factor`` that take ``low`` to ``high`` or above (1 to :data:`MAX_FACTORS`)."""
+    count, value = 0, low
+    while count < MAX_FACTORS:
+        value, count = to_float32(value * factor), count + 1
+        if value >= high:
+            break
+    return count
+
+
+def headroom_state(
+    config: ScalerConfig, state: ScalerState, found_overflow: bool, found_overflow_local: bool | None, norm: float
+) -> ScalerState:
+    """The headroom rule: the state after one step, from where overflows happened and how the norm moved.
+
+    With s the step's scale, g the growth factor, b the backoff factor, every product in float64 rounded
+    to float32, every result clamped to ``[min_scale, max_scale]`` (a growth that would reach inf keeps s),
+    and gap(L, H) the fewest products by g that take L to H or above (at most 64)::
+
+        overflow (at s), r = overflows in a row, this one included:
+            L = clean_scale if clean_scale < s else 0     (a clean scale known below)
+            overflow_scale, overflow_norm, clean_scale = s, clean_norm, L
+            L == 0:          scale = s * b**(2**(min(r, 6) - 1))      (2x, 4x, 16x... from a start too high)
+            gap(L, s) >= 2:  scale = min(L * g**(gap // 2), s * b)   (halfway, in exponents)
+            else:            scale = s * b
+        clean (at s), norm n (NaN without check()):
+            clean_norm = n if n is finite and > 0
+            overflow_scale == 0:  scale = s * g**4      (no overflow yet: climb from a start too low)
+            else:
+                clean_scale = max(clean_scale, s) if s < overflow_scale
+                gap(clean_scale, overflow_scale) >= 2:  scale = clean_scale * g**(gap // 2)
+                else: PyTorch's growth (after growth_interval clean steps, * g), then, if overflow_norm > 0
+                      and n > 0: with E = overflow_scale * overflow_norm / n (float64: where the last
+                      overflow's ceiling has moved as the norm fell), j the most products by g that keep
+                      scale at or below E, scale = scale * g**(j - 1) if j >= 2 (one factor of margin)
+
+    Every change of the scale but PyTorch's growth restarts the count of clean steps. A growth counts
+    in ``growths`` and a lowering in ``backoffs``, as with PyTorch's rule.
+    """
+    scale = old = state.scale
+    steps = state.steps + 1
+    if found_overflow:
+        in_row = min(state.overflows_in_row + 1, INT_MAX)
+        below = state.clean_scale if state.clean_scale < old else 0.0
+        backed = max(to_float32(old * config.backoff_factor), config.floor)
+        if below == 0.0:
+            factor = config.backoff_factor
+            for _ in range(min(in_row, MAX_DESCENT) - 1):
+                factor *= factor
+            scale = max(to_float32(old * factor), config.floor)
+        elif (gap := _factors_between(below, old, config.growth_factor)) >= 2:
+            scale = min(_times(below, config.growth_factor, gap // 2), backed)
+        else:
+            scale = backed
+        return dataclasses.replace(
+            state,
+            scale=scale,
+            consecutive_good_steps=0,
+            steps=steps,
+            skipped_steps=state.skipped_steps + 1,
+            backoffs=state.backoffs + (scale != old),
+            remote_skipped_steps=state.remote_skipped_steps + (found_overflow_local is False),
+            overflow_scale=old,
+            overflow_norm=state.clean_norm,
+            clean_scale=below,
+            overflows_in_row=in_row,
+        )
+    clean_norm = norm if math.isfinite(norm) and norm > 0 else state.clean_norm
+    clean_scale, good = state.clean_scale, 0
+    if state.overflow_scale == 0.0:
+        grown = _times(old, config.growth_factor, CLIMB)
+        scale = min(grown, config.ceiling) if math.isfinite(grown) else old
+    else:
+        if old < state.overflow_scale:
+            clean_scale = max(clean_scale, old)
+        gap = _factors_between(clean_scale, state.overflow_scale, config.growth_factor) if clean_scale else 1
+        if gap >= 2:
+            scale = min(_times(clean_scale, config.growth_factor, gap // 2), config.ceiling)
+        else:
+            good = state.consecutive_good_steps + 1
+            if good >= config.growth_interval:
+                grown = to_float32(old * config.growth_factor)
+                if math.isfinite(grown):
+                    scale = min(grown, config.ceiling)
+                good = 0
+            if state.overflow_norm > 0 and math.isfinite(norm) and norm > 0:
+                estimate = state.overflow_scale * state.overflow_norm / norm
+                products, value = 0, scale
+                while products < MAX_FACTORS and (grown := to_float32(value * config.growth_factor)) <= estimate:
+                    value, products = grown, products + 1
+                if products >= 2:
+                    scale, good = min(_times(scale, config.growth_factor, products - 1), config.ceiling), 0
+    return dataclasses.replace(
+        state,
+        scale=scale,
+        consecutive_good_steps=good,
+        steps=steps,
+        growths=state.growths + (scale != old),
+        clean_scale=clean_scale,
+        clean_norm=clean_norm,
+        overflows_in_row=0,
     )
 
 

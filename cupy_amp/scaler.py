@@ -15,7 +15,15 @@ from cupy_amp.errors import ConfigError, ScalerProtocolError
 from cupy_amp.face import Face
 from cupy_amp.gradient_call import GradientScope, unscale_call
 from cupy_amp.gradients import CallCache, parse_gradients
-from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, expect_bool, initial_state, next_state
+from cupy_amp.rule import (
+    PYTORCH,
+    GradScalerStats,
+    ScalerConfig,
+    ScalerState,
+    expect_bool,
+    initial_state,
+    next_state,
+)
 from cupy_amp.state import Call, Snapshot, State
 from cupy_amp.state_set import StateSet
 from cupy_amp.step import OPEN, UNSCALED, Step
@@ -92,6 +100,11 @@ class GradScaler(Face):
             :data:`cupy_amp.journal.MAX_CAPACITY`. Once this scaler has states in several places
             (arrays on several devices of one process, or NumPy and CuPy arrays), its steps are left
             out of the journal: each state saw only its own arrays.
+        rule: ``"pytorch"`` (the default: PyTorch's rule, bit for bit) or ``"headroom"``,
+            which moves the scale from where overflows happened and how ``check()``'s norm
+            moved since (:func:`cupy_amp.rule.headroom_state` gives its exact formula):
+            from a start far too low or too high it finds the scale in a few steps, and it
+            climbs back as the norm falls. It needs ``hysteresis=1``.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -109,8 +122,9 @@ class GradScaler(Face):
         hysteresis: int = 1,
         comm: Any = None,
         journal: int = step_journal.DEFAULT_CAPACITY,
+        rule: str = PYTORCH,
     ) -> None:
-        config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
+        config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis, rule)
         state = initial_state(config, init_scale)
         self._mirror = _Mirror(config, state, expect_bool(ConfigError, "enabled", enabled))
         self._communicator: Communicator | None = communicator_for(comm)
@@ -233,7 +247,7 @@ class GradScaler(Face):
             CommunicatorError: The state counted an impossible all-reduce answer (the step is an overflow).
         """
         verdict = state.read()
-        lane.found(verdict.overflow, verdict.local)
+        lane.found(verdict.overflow, verdict.local, verdict.norm)
         if verdict.poisoned:
             raise poisoned_error(OTHERS)
         new_bad_votes = state.new_bad_votes(verdict.bad_votes)
@@ -270,7 +284,7 @@ class GradScaler(Face):
                 self._repair()
                 mirror = self._mirror
                 if mirror.step != self._step.number:  # not applied yet (a retry after an interrupt may find it was)
-                    state = next_state(mirror.config, mirror.state, *lane.verdict)
+                    state = next_state(mirror.config, mirror.state, *lane.verdict, lane.norm)
                     with self._states_follow_the_mirror():
                         lane.update(state, self._step.number)
                         self._mirror = mirror._replace(state=state, step=self._step.number)
@@ -381,7 +395,10 @@ class GradScaler(Face):
             return
         before, verdict, journals = self._unsure
         mirror = self._mirror  # replaced last: if it was, the states were already changed whole
-        self._scaling.restore(mirror.config, mirror.state, *(verdict if mirror is before else self._scaling.verdict))
+        if mirror is before:  # the rule is retried on the step as it was
+            self._scaling.restore(mirror.config, mirror.state, *verdict, reopen=True)
+        else:
+            self._scaling.restore(mirror.config, mirror.state, *self._scaling.verdict)
         if mirror is before:  # the rule may run again (a retried update()): its journal entry needs the culprits
             self._scaling.keep_culprits(*self._step.culprit_summary())  # the device's may have been begun over
         if journals is not None:
@@ -395,5 +412,6 @@ class GradScaler(Face):
             f"GradScaler(scale={mirror.state.scale:g}, growth_factor={config.growth_factor!r}, "
             f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval}, "
             f"enabled={mirror.enabled}, min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, "
-            f"hysteresis={config.hysteresis})"
+            f"hysteresis={config.hysteresis}"
+            f"{'' if config.rule == PYTORCH else f', rule={config.rule!r}'})"
         )

@@ -12,6 +12,8 @@ follow :class:`Backend` (mypy checks each module against it).
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
@@ -73,6 +75,7 @@ class Verdict(NamedTuple):
     epoch: int  # the step's number, which the per-gradient flags hold
     bad_votes: int  # steps so far whose all-reduce answer was impossible (a restore keeps the count)
     poisoned: bool = False  # an all-reduce answered a poisoned vote: the ranks may disagree
+    norm: float = math.nan  # the step's finished check()'s norm (the headroom rule's signal); NaN without one
 
 
 class Snapshot(NamedTuple):
@@ -110,7 +113,9 @@ class State(Protocol):
     def read(self) -> Verdict: ...
     def snapshot(self) -> tuple[ScalerState, bool, bool, int, int, bool]: ...
     def new_bad_votes(self, counted: int) -> int: ...
-    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None: ...
+    def restore(
+        self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, reopen: bool = False
+    ) -> None: ...
     def culprits(self, plan: Any, epoch: int) -> tuple[int, ...]: ...
     def journal(self) -> Any: ...
     def keep_culprits(self, count: int, first: tuple[int, int] | None) -> None: ...

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from collections.abc import Callable
 
 import numpy as np
@@ -41,6 +43,7 @@ class StateSet:
         # as a 0-d bool array for the synchronous face's statistics. That face keeps both from its reads and
         # from failures; the sync-free face reads its state instead.
         self.verdict = (False, False)
+        self.norm = math.nan  # the open step's check() norm as the host read it (the headroom rule's signal)
         self.finite = np.ones((), dtype=np.bool_)
 
     def all(self) -> list[State]:
@@ -94,13 +97,16 @@ class StateSet:
     def begin(self) -> None:
         """Begin a step on every state: a new epoch, flags that say "finite"."""
         self.verdict = (False, False)
+        self.norm = math.nan
         self.finite[()] = True
         for state in self.all():
             state.begin_step()
 
-    def found(self, overflow: bool, local: bool) -> None:
-        """Add what a read of the open step's verdict found."""
+    def found(self, overflow: bool, local: bool, norm: float = math.nan) -> None:
+        """Add what a read of the open step's verdict found (``norm``: its check()'s, once finished)."""
         self.verdict = (self.verdict[0] or overflow, self.verdict[1] or local)
+        if not math.isnan(norm):
+            self.norm = norm
         self.finite[()] = not self.verdict[0]
 
     def mark_overflow(self, state: State | None) -> None:
@@ -153,10 +159,13 @@ class StateSet:
         for state in self.all():
             state.load_journal(entries)
 
-    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool) -> None:
-        """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch."""
+    def restore(
+        self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, reopen: bool = False
+    ) -> None:
+        """Replace every state's configuration and state (synchronizes on the GPU); each keeps its own epoch
+        (``reopen``: the open step's, which a folded update may have moved on from)."""
         for placed in self.all():
-            placed.restore(config, state, overflow, local, placed.snapshot()[3])
+            placed.restore(config, state, overflow, local, placed.snapshot()[3], reopen)
         self.config = config
         self.verdict = (overflow, local)
         self.finite[()] = not overflow

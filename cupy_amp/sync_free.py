@@ -15,7 +15,7 @@ from cupy_amp.face import Face
 from cupy_amp.gpu import loaded_cupy
 from cupy_amp.gradient_call import unscale_call
 from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
-from cupy_amp.rule import GradScalerStats, ScalerConfig, ScalerState, initial_state
+from cupy_amp.rule import PYTORCH, GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
 from cupy_amp.state_set import StateSet, where
 from cupy_amp.step import OPEN, UNSCALED, CallRecord, Step
@@ -49,7 +49,7 @@ class SyncFreeGradScaler(Face):
         max_scale, hysteresis: As for :class:`~cupy_amp.GradScaler`.
         comm: As for :class:`~cupy_amp.GradScaler`; the MAX all-reduce of the
             overflow flag is queued on the stream, so it is captured with the step.
-        journal: As for :class:`~cupy_amp.GradScaler`.
+        journal, rule: As for :class:`~cupy_amp.GradScaler`.
 
     Raises:
         ConfigError: A ``ValueError`` naming the parameter, what was expected and what was given.
@@ -66,8 +66,9 @@ class SyncFreeGradScaler(Face):
         hysteresis: int = 1,
         comm: Any = None,
         journal: int = step_journal.DEFAULT_CAPACITY,
+        rule: str = PYTORCH,
     ) -> None:
-        config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis)
+        config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis, rule)
         capacity = step_journal.expect_capacity(journal)
         self._states = StateSet(config, initial_state(config, init_scale), one_device=True, journal=capacity)
         self._communicator: Communicator | None = communicator_for(comm)
@@ -256,5 +257,6 @@ class SyncFreeGradScaler(Face):
         return (
             f"SyncFreeGradScaler(state {where(self._state.device)}, growth_factor={config.growth_factor!r}, "
             f"backoff_factor={config.backoff_factor!r}, growth_interval={config.growth_interval}, "
-            f"min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, hysteresis={config.hysteresis})"
+            f"min_scale={config.min_scale!r}, max_scale={config.max_scale!r}, hysteresis={config.hysteresis}"
+            f"{'' if config.rule == PYTORCH else f', rule={config.rule!r}'})"
         )

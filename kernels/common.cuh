@@ -91,9 +91,16 @@ struct State {
     u64 journal_capacity;  // 0: no journal
     u64 first_culprit;     // the step's lowest (call << 32 | position) that held inf/nan here; all ones: none
     u64 checked_epoch;     // the epoch of the last check() whose statistics were finished
+    u64 overflows_in_row;  // the headroom rule's memory (cupy_amp.rule.ScalerState); 0 under PyTorch's rule
+    u64 rule;              // kPytorch or kHeadroom (cupy_amp.rule.RULES)
     double vote_count;  // unscale_and_check's all-reduced pair: this rank's 0/1 overflow flag, then the ranks' count,
     double vote_sum;    // and 0 beside it, as in check()'s pair (count, sum of squares): one kind of collective
     float scale;
+    float overflow_scale;  // the headroom rule's memory: the latest overflow's scale, the norm before it,
+    float overflow_norm;
+    float clean_scale;  // the highest scale seen clean below it, and the last clean step's norm (0: none)
+    float clean_norm;
+    float checked_norm;    // the norm of the last finished check() (at checked_epoch), for the host's read
     int found;             // 1 once this rank's gradients of the step held inf/nan
     int agreed;            // with a communicator: 1 if any rank's did (from the all-reduced count)
     int poisoned;          // 1 once an all-reduce answered a poisoned vote (cupy_amp.distributed.POISON): for good
@@ -115,6 +122,8 @@ struct JournalEntry {
     unsigned char agreed;    // 1: the step overflowed (here or on another rank), so it was skipped
     unsigned char action;    // cupy_amp.journal: kKept, kGrew, kBackedOff, kHeld, kAtFloor, kAtCeiling
 };
+
+constexpr u64 kPytorch = 0, kHeadroom = 1;
 
 constexpr unsigned char kKept = 0, kGrew = 1, kBackedOff = 2, kHeld = 3, kAtFloor = 4, kAtCeiling = 5;
 

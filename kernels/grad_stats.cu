@@ -121,6 +121,7 @@ __device__ void finish_stats(const FinishArgs& args) {
     stats->found = local;
     stats->bad_vote = bad ? 1 : 0;
     stats->skip = local != 0 || agreed || state->agreed != 0;
+    state->checked_norm = norm;           // the headroom rule's signal, read by the host with the verdict
     state->checked_epoch = state->epoch;  // the journal takes this step's norm and clip coefficient
 }
 

@@ -36,6 +36,116 @@ __device__ void write_journal(State* s, float old, bool overflow, unsigned char 
     e->action = action;
 }
 
+// Comparisons and products of the headroom rule, in float64 like the rest of the rule (no -ftz flushing).
+__device__ __forceinline__ float times(float value, double factor, int count) {
+    for (int i = 0; i < count; ++i) value = narrow(__dmul_rn(widen(value), factor));
+    return value;
+}
+
+__device__ __forceinline__ bool below(float a, float b) {
+    return widen(a) < widen(b);
+}
+
+__device__ __forceinline__ float lower(float a, float b) {
+    return below(b, a) ? b : a;
+}
+
+__device__ __forceinline__ float upper(float a, float b) {
+    return below(a, b) ? b : a;
+}
+
+__device__ __forceinline__ bool positive_finite(float f) {
+    return widen(f) > 0.0 && widen(f) < widen(__int_as_float(0x7f800000));
+}
+
+constexpr int kClimb = 4, kMaxFactors = 64, kMaxDescent = 6;  // cupy_amp.rule.CLIMB, MAX_FACTORS, MAX_DESCENT
+
+// cupy_amp.rule._factors_between: the fewest products by `factor` that take `low` to `high` or above.
+__device__ int factors_between(float low, float high, double factor) {
+    int count = 0;
+    float value = low;
+    while (count < kMaxFactors) {
+        value = narrow(__dmul_rn(widen(value), factor));
+        count += 1;
+        if (!below(value, high)) break;
+    }
+    return count;
+}
+
+// cupy_amp.rule.headroom_state, operation for operation; returns the journal's action.
+__device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
+    const float old = s->scale;
+    const float ceiling = narrow(s->max_scale < 3.5e38 ? s->max_scale : 3.4028234663852886e38);
+    float scale = old;
+    if (overflow) {
+        const u64 in_row = s->overflows_in_row == ~0ull ? ~0ull : s->overflows_in_row + 1;
+        const float known = below(s->clean_scale, old) ? s->clean_scale : 0.0f;
+        const float backed = upper(narrow(__dmul_rn(widen(old), s->backoff_factor)), narrow(s->floor));
+        int gap = 0;
+        if (known == 0.0f) {
+            double factor = s->backoff_factor;
+            const int squarings = (int)(in_row < (u64)kMaxDescent ? in_row : (u64)kMaxDescent) - 1;
+            for (int i = 0; i < squarings; ++i) factor = __dmul_rn(factor, factor);
+            scale = upper(narrow(__dmul_rn(widen(old), factor)), narrow(s->floor));
+        } else if ((gap = factors_between(known, old, s->growth_factor)) >= 2) {
+            scale = lower(times(known, s->growth_factor, gap / 2), backed);
+        } else {
+            scale = backed;
+        }
+        s->consecutive_good_steps = 0;
+        s->skipped_steps += 1;
+        if (s->found == 0) s->remote_skipped_steps += 1;
+        if (bits_of(scale) != bits_of(old)) s->backoffs += 1;
+        s->overflow_scale = old;
+        s->overflow_norm = s->clean_norm;
+        s->clean_scale = known;
+        s->overflows_in_row = in_row;
+        s->scale = scale;
+        return bits_of(scale) != bits_of(old) ? kBackedOff : kAtFloor;
+    }
+    if (positive_finite(norm)) s->clean_norm = norm;
+    u64 good = 0;
+    if (s->overflow_scale == 0.0f) {
+        const float grown = times(old, s->growth_factor, kClimb);
+        scale = positive_finite(grown) ? lower(grown, ceiling) : old;
+    } else {
+        if (below(old, s->overflow_scale)) s->clean_scale = upper(s->clean_scale, old);
+        const int gap =
+            s->clean_scale != 0.0f ? factors_between(s->clean_scale, s->overflow_scale, s->growth_factor) : 1;
+        if (gap >= 2) {
+            scale = lower(times(s->clean_scale, s->growth_factor, gap / 2), ceiling);
+        } else {
+            good = s->consecutive_good_steps + 1;
+            if (good >= s->growth_interval) {
+                const float grown = narrow(__dmul_rn(widen(old), s->growth_factor));
+                if ((bits_of(grown) & 0x7f800000u) != 0x7f800000u) scale = lower(grown, ceiling);
+                good = 0;
+            }
+            if (widen(s->overflow_norm) > 0.0 && positive_finite(norm)) {
+                const double estimate =
+                    __ddiv_rn(__dmul_rn(widen(s->overflow_scale), widen(s->overflow_norm)), widen(norm));
+                int products = 0;
+                float value = scale;
+                while (products < kMaxFactors) {
+                    const float grown = narrow(__dmul_rn(widen(value), s->growth_factor));
+                    if (!(widen(grown) <= estimate)) break;
+                    value = grown;
+                    products += 1;
+                }
+                if (products >= 2) {
+                    scale = lower(times(scale, s->growth_factor, products - 1), ceiling);
+                    good = 0;
+                }
+            }
+        }
+    }
+    s->consecutive_good_steps = good;
+    s->overflows_in_row = 0;
+    if (bits_of(scale) != bits_of(old)) s->growths += 1;
+    s->scale = scale;
+    return bits_of(scale) != bits_of(old) ? kGrew : (bits_of(old) == bits_of(ceiling) ? kAtCeiling : kKept);
+}
+
 // cupy_amp.rule.next_state, operation for operation: products in float64, rounded to float32;
 // comparisons in float64 (exact for float32 values, and free of -ftz's flushing of subnormals).
 __device__ void update_state(State* s) {
@@ -48,6 +158,12 @@ __device__ void update_state(State* s) {
     float scale = old;
     unsigned char action = kKept;
     s->steps += 1;
+    if (s->rule == kHeadroom) {
+        const float norm = s->checked_epoch == s->epoch ? s->checked_norm : __int_as_float(0x7fc00000);
+        action = headroom_rule(s, overflow, norm);
+        if (s->journal_capacity != 0) write_journal(s, old, overflow, action);
+        return;
+    }
     if (overflow) {
         const u64 tracker = s->hysteresis_tracker == 0 ? 0 : s->hysteresis_tracker - 1;
         action = kHeld;

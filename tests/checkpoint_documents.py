@@ -65,6 +65,16 @@ GOLDEN_V1_PAYLOAD: dict[str, Any] = {
 }
 
 
+# PyTorch's rule, whose memory of the headroom rule's is all 0: what version 3 upgrades version 2 with.
+GOLDEN_PYTORCH_RULE: dict[str, Any] = {
+    "rule": "pytorch",
+    "overflow_scale": 0.0,
+    "overflow_norm": 0.0,
+    "clean_scale": 0.0,
+    "clean_norm": 0.0,
+    "overflows_in_row": 0,
+}
+
 # What grad_scaler_v1.ckpt reads as today: the version-1 payload upgraded to
 # version 2 (found_overflow_local = found_overflow, remote_skipped_steps = 0),
 # then to version 3 (an empty journal, no names).
@@ -86,6 +96,7 @@ GOLDEN_V1_FIELDS: dict[str, Any] = {
     "growths": 40,
     "backoffs": 12,
     "remote_skipped_steps": 0,
+    **GOLDEN_PYTORCH_RULE,
     "journal": b"",
     "journal_names": (),
 }
@@ -118,7 +129,7 @@ GOLDEN_V2_PAYLOAD: dict[str, Any] = {
 
 # What grad_scaler_v2.ckpt reads as today: the version-2 payload upgraded to
 # version 3 (an empty journal, no names).
-GOLDEN_V2_FIELDS: dict[str, Any] = {**GOLDEN_V2_PAYLOAD, "journal": b"", "journal_names": ()}
+GOLDEN_V2_FIELDS: dict[str, Any] = {**GOLDEN_V2_PAYLOAD, **GOLDEN_PYTORCH_RULE, "journal": b"", "journal_names": ()}
 
 
 # A journal entry as the format specifies it (cupy_amp.journal.ENTRY), packed here with the struct module
@@ -192,7 +203,12 @@ GOLDEN_NAMES = (("0", "layer.weight"), ("embed.weight", "d\u00e9codeur.bias"))
 
 # The checkpoint stored in tests/data/grad_scaler_v3.ckpt: the version-2
 # golden checkpoint's fields, with a journal of three entries and the names.
-GOLDEN_FIELDS: dict[str, Any] = {**GOLDEN_V2_PAYLOAD, "journal": GOLDEN_JOURNAL, "journal_names": GOLDEN_NAMES}
+GOLDEN_FIELDS: dict[str, Any] = {
+    **GOLDEN_V2_PAYLOAD,
+    **GOLDEN_PYTORCH_RULE,
+    "journal": GOLDEN_JOURNAL,
+    "journal_names": GOLDEN_NAMES,
+}
 
 
 BOOL_FIELDS = ("found_overflow", "found_overflow_local", "enabled")
@@ -208,6 +224,7 @@ INT_FIELDS = (
     "growths",
     "backoffs",
     "remote_skipped_steps",
+    "overflows_in_row",
 )
 
 

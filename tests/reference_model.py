@@ -186,9 +186,21 @@ class RefScaler:
             "growths": self.growths,
             "backoffs": self.backoffs,
             "remote_skipped_steps": self.remote_skipped_steps,
+            **PYTORCH_RULE_FIELDS,
             "journal": b"".join(self.journal),
             "journal_names": self.journal_names,
         }
+
+
+# What a checkpoint of PyTorch's rule holds of the headroom rule's fields: the rule's name, and no memory.
+PYTORCH_RULE_FIELDS = {
+    "rule": "pytorch",
+    "overflow_scale": 0.0,
+    "overflow_norm": 0.0,
+    "clean_scale": 0.0,
+    "clean_norm": 0.0,
+    "overflows_in_row": 0,
+}
 
 
 def inv_scale(scale: float) -> np.float32:

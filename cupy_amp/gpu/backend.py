@@ -16,6 +16,7 @@ mirrors it; the fused optimizers' launches are in :mod:`cupy_amp.gpu.optimizer_l
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import weakref
 from collections.abc import Sequence
@@ -31,7 +32,7 @@ from cupy_amp.gpu.launch import MAX_GRID, StreamOrder, _on_device, capturing, la
 from cupy_amp.gpu.stats import DeviceStatsRecord
 from cupy_amp.gpu.tables import GradientGroup, dense_base, gradient_tables, layout_words
 from cupy_amp.kernel_interface import CHUNK_BYTES, ENTRIES, MAX_NDIM, STATE, UNSCALE_DTYPE_NAMES
-from cupy_amp.rule import ScalerConfig, ScalerState
+from cupy_amp.rule import RULES, ScalerConfig, ScalerState
 from cupy_amp.state import Verdict
 from cupy_amp.twins.grad_stats import Numerics
 
@@ -135,6 +136,18 @@ _OTHER_STREAM = (
 _owners_lock = threading.Lock()
 
 
+def _python(value: np.generic) -> int | float:
+    """A State field as the Python number ScalerState holds (float32 fields as floats, counters as ints)."""
+    return float(value) if value.dtype.kind == "f" else int(value)
+
+
+def _next_epoch(epoch: int) -> int:
+    """The epoch a step's begin moves ``epoch`` to (kernels/step_state.cu next_epoch): the count in the low 32 bits
+    goes up, skipping 0."""
+    count = (epoch + 1) & 0xFFFFFFFF
+    return (epoch & ~0xFFFFFFFF) | (count or 1)
+
+
 class DeviceState:
     """A sync-free scaler's State (configuration included) in device memory, and the launches that step it.
 
@@ -221,7 +234,8 @@ class DeviceState:
         found = record["found"] != 0
         overflow = bool(found or record["agreed"] != 0)
         epoch, poisoned = int(record["epoch"]) & 0xFFFFFFFF, bool(record["poisoned"])
-        return Verdict(overflow, bool(found), epoch, int(record["bad_votes"]), poisoned)
+        norm = float(record["checked_norm"]) if record["checked_epoch"] == record["epoch"] else math.nan
+        return Verdict(overflow, bool(found), epoch, int(record["bad_votes"]), poisoned, norm)
 
     def new_bad_votes(self, counted: int) -> int:
         """Return how many of the ``counted`` impossible answers (a read's count) were not handed out yet.
@@ -243,14 +257,22 @@ class DeviceState:
             cupy.cuda.runtime.deviceSynchronize()
             (record,) = self._memory.get().view(STATE)
         self.order.settled()
-        counters = {name: int(record[name]) for name in ScalerState.__dataclass_fields__ if name != "scale"}
-        state = ScalerState(scale=float(record["scale"]), **counters)
+        state = ScalerState(
+            **{name: _python(record[name]) for name in ScalerState.__dataclass_fields__}  # type: ignore[arg-type]
+        )
         overflow = bool(record["found"] != 0 or record["agreed"] != 0)
         epoch = int(record["epoch"]) & 0xFFFFFFFF
         return state, overflow, bool(record["found"]), epoch, int(record["bad_votes"]), bool(record["poisoned"])
 
-    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
-        """Replace the State in place (synchronizes); epochs keep this state's own number in their high bits."""
+    def restore(
+        self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, reopen: bool = False
+    ) -> None:
+        """Replace the State in place (synchronizes); epochs keep this state's own number in their high bits.
+
+        ``reopen``: the open step is retried (its update() was interrupted before the host kept the rule's
+        result). If the folded update already ran here and began the next step, that step's epoch is put
+        back, so the retried rule sees the step as it was (its check()'s norm, its culprits' epoch).
+        """
         record = np.zeros((), dtype=STATE)
         for name, value in asdict(state).items():
             record[name] = value
@@ -260,6 +282,7 @@ class DeviceState:
         record["max_scale"] = np.inf if config.max_scale is None else config.max_scale
         record["growth_interval"] = config.growth_interval
         record["hysteresis"] = config.hysteresis
+        record["rule"] = RULES.index(config.rule)
         record["epoch"] = self._owner | (epoch & 0xFFFFFFFF)
         record["updated_epoch"] = 2**64 - 1  # no epoch: the open step's rule is not applied yet
         record["folded_step"] = 2**64 - 1  # nor by a folded update(): the retry of one applies the rule here
@@ -280,6 +303,9 @@ class DeviceState:
             # The open step's culprits stay with its epoch: a repair mid-step keeps them for the journal's entry.
             record["culprits"], record["first_culprit"] = current["culprits"], current["first_culprit"]
             record["checked_epoch"] = current["checked_epoch"]  # and whether its check() finished (its norm)
+            began = int(current["updated_epoch"])  # the epoch the rule last closed here
+            if reopen and began != 2**64 - 1 and _next_epoch(began) == int(current["epoch"]):
+                record["epoch"] = began  # the folded update's begin of the next step is undone
             self._memory.set(np.frombuffer(record.tobytes(), dtype=np.uint8))
             self.stats.skip.fill(1)  # a restored state's record says "skip" until a check() completes
             cupy.cuda.runtime.deviceSynchronize()  # the host record is a temporary

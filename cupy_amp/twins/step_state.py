@@ -7,6 +7,8 @@ step's begin, the vote cast and combined, an overflow marked, the rule applied o
 
 from __future__ import annotations
 
+import math
+
 from typing import Any
 
 import numpy as np
@@ -56,7 +58,11 @@ class HostState:
 
     def read(self) -> Verdict:
         """Return the step's verdict (garbage votes raise at once here: the host reads every answer)."""
-        return Verdict(not bool(self._finite), self._found, self._epoch, 0, self._poisoned)
+        return Verdict(not bool(self._finite), self._found, self._epoch, 0, self._poisoned, self._norm())
+
+    def _norm(self) -> float:
+        """The open step's check() norm once its statistics are finished, else NaN."""
+        return float(self.stats.norm) if self._checked == self._epoch else math.nan
 
     def new_bad_votes(self, counted: int) -> int:
         """The host raises at every impossible answer (:meth:`finish_vote`): none is left to hand out."""
@@ -66,7 +72,10 @@ class HostState:
         """Return (state, the step's verdict, this rank's own overflow, epoch, garbage votes (always 0), poisoned)."""
         return self._state, not bool(self._finite), self._found, self._epoch, 0, self._poisoned
 
-    def restore(self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int) -> None:
+    def restore(
+        self, config: ScalerConfig, state: ScalerState, overflow: bool, local: bool, epoch: int, reopen: bool = False
+    ) -> None:
+        # ``reopen`` changes nothing here: the NumPy update() never begins the next step itself.
         self.stats.record.closed()
         self.skip_statistics()
         self._finite[()] = not overflow
@@ -193,7 +202,7 @@ class HostState:
         self.skip_statistics()
         if self._updated != self._epoch and not self._poisoned:  # poisoned: the ranks may disagree, decide nothing
             before, overflow = self._state, not bool(self._finite)
-            after = next_state(self._config, before, overflow, self._found)
+            after = next_state(self._config, before, overflow, self._found, self._norm())
             if len(self._journal):  # first: an entry past the state's steps is not read, and a retry rewrites it
                 self._write_journal(before, after, overflow)
             self._state, self._updated = after, self._epoch

@@ -13,6 +13,7 @@ import pytest
 from checkpoint_documents import (
     BOOL_FIELDS,
     GOLDEN_FIELDS,
+    GOLDEN_PYTORCH_RULE,
     GOLDEN_V1_PAYLOAD,
     INT_FIELDS,
     SMALLEST_SCALE,
@@ -116,6 +117,7 @@ def test_from_torch_state_dict_fills_every_other_field() -> None:
         "growths": 0,
         "backoffs": 0,
         "remote_skipped_steps": 0,
+        **GOLDEN_PYTORCH_RULE,
         "journal": b"",
         "journal_names": (),
     }
@@ -139,6 +141,10 @@ def _bad_values(name: str) -> list[object]:
         return [1, 0, 1.0, "true", None]
     if name in INT_FIELDS:
         return [True, False, 1.5, float(GOLDEN_FIELDS[name]), "1", None, -1, math.nan]
+    if name == "rule":
+        return ["torch", "", "Headroom", 1, None, True]
+    if name in ("overflow_scale", "overflow_norm", "clean_scale", "clean_norm"):
+        return [True, "2.0", math.nan, math.inf, -math.inf, -1.0, 1e300, 0.1, None]  # 0.1: not a float32 value
     values: list[object] = [True, "2.0", math.nan, math.inf, -math.inf, -1.0, 0.0]
     if name in ("scale", "min_scale", "max_scale"):
         values.append(1e300)  # finite, but beyond float32

@@ -225,13 +225,13 @@ def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
     original = StateSet.restore
     second_line, second_landed = 0, False
 
-    def interrupted_repair(self: StateSet, *args: Any) -> None:
+    def interrupted_repair(self: StateSet, *args: Any, **kwargs: Any) -> None:
         nonlocal second_landed
-        if second_line and interrupted(lambda: original(self, *args), second_line):
+        if second_line and interrupted(lambda: original(self, *args, **kwargs), second_line):
             second_landed = True
             raise KeyboardInterrupt  # the second interrupt goes on out of update(), as a real one would
         if not second_line:
-            original(self, *args)
+            original(self, *args, **kwargs)
 
     monkeypatch.setattr(StateSet, "restore", interrupted_repair)
     k, seconds = 1, 0
@@ -318,10 +318,10 @@ def test_load_checkpoint_interrupted_again_inside_its_repair_leaves_the_old_stat
     other = GradScaler(init_scale=2.0**10).checkpoint()
     original, calls = StateSet.restore, [0]
 
-    def load_then_cut_repair(self: StateSet, *args: Any) -> None:
+    def load_then_cut_repair(self: StateSet, *args: Any, **kwargs: Any) -> None:
         calls[0] += 1
         if calls[0] == 1:
-            original(self, *args)
+            original(self, *args, **kwargs)
         raise KeyboardInterrupt
 
     with monkeypatch.context() as patched:
