@@ -137,7 +137,8 @@ class GradScalerCheckpoint:
         _at_most("remote_skipped_steps", self.remote_skipped_steps, "skipped_steps", self.skipped_steps)
         for name in _MEMORY_FLOATS:
             set_field(self, name, _memory_float(name, getattr(self, name)))
-        set_field(self, "overflows_in_row", expect_int(CheckpointFieldError, "overflows_in_row", self.overflows_in_row, 0))
+        in_row = expect_int(CheckpointFieldError, "overflows_in_row", self.overflows_in_row, 0)
+        set_field(self, "overflows_in_row", in_row)
         _at_most("overflows_in_row", self.overflows_in_row, "skipped_steps", self.skipped_steps)
         if config.rule == PYTORCH and any(getattr(self, name) for name in (*_MEMORY_FLOATS, "overflows_in_row")):
             raise CheckpointFieldError(
@@ -202,9 +203,9 @@ class GradScalerCheckpoint:
             CheckpointFieldError: A field is missing or unknown, or a value is invalid.
         """
         names = [field.name for field in dataclasses.fields(cls)]
-        present = (  # a dict of an older version's fields: PyTorch's rule, no journal
-            [name for name in names if name not in _OPTIONAL or name in fields] if isinstance(fields, Mapping) else names
-        )
+        present = names  # a dict of an older version's fields: PyTorch's rule, no journal
+        if isinstance(fields, Mapping):
+            present = [name for name in names if name not in _OPTIONAL or name in fields]
         expect_exactly(fields, present, "Invalid checkpoint", "field")
         return cls(**{name: fields[name] for name in present})
 
@@ -224,8 +225,8 @@ class GradScalerCheckpoint:
         ]
         if lost:
             warnings.warn(
-                f"PyTorch's GradScaler has no scale clamps, hysteresis or other rule: the state dict drops {', '.join(lost)}, "
-                f"so PyTorch's scale will not follow this scaler's from here.",
+                "PyTorch's GradScaler has no scale clamps, hysteresis or other rule: the state dict drops "
+                f"{', '.join(lost)}, so PyTorch's scale will not follow this scaler's from here.",
                 UserWarning,
                 stacklevel=2,
             )

@@ -11,9 +11,9 @@ a scale for people (the CLI's and the demo's output).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
-import dataclasses
 from dataclasses import asdict, dataclass
 from typing import cast
 
@@ -24,9 +24,9 @@ from cupy_amp.errors import ConfigError
 __all__ = [
     "FLOAT32_MAX",
     "HEADROOM",
+    "INT_MAX",
     "PYTORCH",
     "RULES",
-    "INT_MAX",
     "SMALLEST_SCALE",
     "GradScalerStats",
     "ScalerConfig",
@@ -419,9 +419,9 @@ def headroom_state(
             else:            scale = s * b
         clean (at s), norm n (NaN without check()):
             clean_norm = n if n is finite and > 0
+            clean_scale = max(clean_scale, s) if overflow_scale == 0 or s < overflow_scale
             overflow_scale == 0:  scale = s * g**4      (no overflow yet: climb from a start too low)
             else:
-                clean_scale = max(clean_scale, s) if s < overflow_scale
                 gap(clean_scale, overflow_scale) >= 2:  scale = clean_scale * g**(gap // 2)
                 else: PyTorch's growth (after growth_interval clean steps, * g), then, if overflow_norm > 0
                       and n > 0: with E = overflow_scale * overflow_norm / n (float64: where the last
@@ -462,6 +462,7 @@ def headroom_state(
     clean_norm = norm if math.isfinite(norm) and norm > 0 else state.clean_norm
     clean_scale, good = state.clean_scale, 0
     if state.overflow_scale == 0.0:
+        clean_scale = max(clean_scale, old)  # below whatever overflows first
         grown = _times(old, config.growth_factor, CLIMB)
         scale = min(grown, config.ceiling) if math.isfinite(grown) else old
     else:

@@ -13,7 +13,6 @@ follow :class:`Backend` (mypy checks each module against it).
 from __future__ import annotations
 
 import math
-
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 

@@ -106,6 +106,7 @@ __device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
     if (positive_finite(norm)) s->clean_norm = norm;
     u64 good = 0;
     if (s->overflow_scale == 0.0f) {
+        s->clean_scale = upper(s->clean_scale, old);  // below whatever overflows first
         const float grown = times(old, s->growth_factor, kClimb);
         scale = positive_finite(grown) ? lower(grown, ceiling) : old;
     } else {

@@ -13,16 +13,20 @@ subnormal; the loss over the last 50 steps and on held-out data.
 
 The rules:
 
-- ``torch``: the scaler's own rule (PyTorch's), unchanged;
-- ``headroom``: ``bisect``, then the ceiling the last overflow showed, moved by how far the norm fell
-  since (:func:`headroom_rule`);
-- ``bisect``: the same scaler, with its scale set after each ``update()`` from its step journal
+- ``pytorch`` and ``headroom``: the scaler's own rules, ``GradScaler(rule=...)``
+  (:func:`cupy_amp.rule.headroom_state`);
+- the prototypes that were measured before the headroom rule was built in (BENCHMARKS.md's first study
+  calls them by their names without ``journal-``):
+- ``journal-headroom``: ``journal-bisect``, then the ceiling the last overflow showed, moved by how far the
+  norm fell since (:func:`headroom_rule`);
+- ``journal-bisect``: a PyTorch-rule scaler, with its scale set after each ``update()`` from its step journal
   (``scaler.journal()``) by :func:`bisect_rule`: climb fast until the first overflow, back off faster
   while no scale below has been seen clean, then halve the gap in exponents between the highest clean
   scale and the lowest overflowing one, one probe per step, until they are a growth factor apart;
   from there on, PyTorch's rule. The scale is set through ``load_checkpoint`` (a study, not the build).
 
-Usage: python tools/rule_study.py [--steps N] [--seeds 0 1 2] [--starts 2**36 1 2**44] [--json PATH]
+Usage: python tools/rule_study.py [--steps N] [--seeds 0 1 2] [--starts 2**36 1 2**44] [--rules pytorch headroom]
+       [--json PATH]
 """
 
 from __future__ import annotations
@@ -163,7 +167,8 @@ def train(rule: str, start: float, seed: int, steps: int) -> Run:
     masters = {name: np.asarray(value) for name, value in init_params(sizes, seed).items()}
     optimizer = make_optimizer(settings, masters)
     growth_factor, growth_interval = 2.0, 50
-    scaler = GradScaler(init_scale=start, growth_interval=growth_interval, max_scale=None, min_scale=1.0)
+    built_in = rule if rule in BUILT_IN else "pytorch"
+    scaler = GradScaler(init_scale=start, growth_interval=growth_interval, max_scale=None, min_scale=1.0, rule=built_in)
     order = BatchOrder(seed, len(dataset.y_train))
     master_grads = {name: np.zeros_like(p) for name, p in masters.items()}
     grad_list = list(master_grads.values())
@@ -198,7 +203,7 @@ def train(rule: str, start: float, seed: int, steps: int) -> Run:
         result.scales.append(scale)
         result.ceilings.append(top)
         scaler.update()
-        if rule != "torch":
+        if rule in RULES:
             chosen = RULES[rule](scaler.journal(), growth_factor, growth_interval)
             if chosen is not None:
                 chosen = float(np.float32(min(max(chosen, 1.0), 2.0**120)))
@@ -226,13 +231,16 @@ def parse_scale(text: str) -> float:
     return float(base) ** float(exponent) if exponent else float(base)
 
 
+# The scaler's own rules (GradScaler(rule=...)), and the prototypes measured before the headroom rule was
+# built in: set from the journal after each update(), through load_checkpoint.
+BUILT_IN = ("pytorch", "headroom")
 RULES: dict[str, Callable[[np.ndarray, float, int], float | None]] = {
-    "bisect": bisect_rule,
-    "headroom": headroom_rule,
+    "journal-bisect": bisect_rule,
+    "journal-headroom": headroom_rule,
     # Variants: a slower climb (2x per step), and a wider margin below the norm's estimate (4x).
-    "headroom-c1": functools.partial(headroom_rule, climb=1),
-    "headroom-m2": functools.partial(headroom_rule, margin=2),
-    "headroom-c1m2": functools.partial(headroom_rule, climb=1, margin=2),
+    "journal-headroom-c1": functools.partial(headroom_rule, climb=1),
+    "journal-headroom-m2": functools.partial(headroom_rule, margin=2),
+    "journal-headroom-c1m2": functools.partial(headroom_rule, climb=1, margin=2),
 }
 
 
@@ -241,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--starts", nargs="+", default=["2**36", "1", "2**44"])
-    parser.add_argument("--rules", nargs="+", default=["torch", "bisect", "headroom"], choices=["torch", *RULES])
+    parser.add_argument("--rules", nargs="+", default=list(BUILT_IN), choices=[*BUILT_IN, *RULES])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     runs = []
     began = time.time()
-    header = f"{'rule':8} {'start':>6} {'seed':>4} {'skipped':>7} {'<ceil/2':>7} {'settled':>7} {'zero|sub':>8} "
+    header = f"{'rule':16} {'start':>6} {'seed':>4} {'skipped':>7} {'<ceil/2':>7} {'settled':>7} {'zero|sub':>8} "
     print(header + f"{'loss50':>8} {'eval':>8} {'acc':>6}")
     for start_text in args.starts:
         start = parse_scale(start_text)
@@ -255,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
                 run = train(rule, start, seed, args.steps)
                 runs.append(run)
                 line = (
-                    f"{rule:8} {start_text:>6} {seed:4d} {run.skipped:7d} {run.low_steps:7d} "
+                    f"{rule:16} {start_text:>6} {seed:4d} {run.skipped:7d} {run.low_steps:7d} "
                     f"{run.settled_at if run.settled_at is not None else '-':>7} {run.underflow:8.4f} "
                     f"{run.final_loss:8.4f} {run.eval_loss:8.4f} {run.eval_accuracy:6.3f}"
                 )

@@ -27,7 +27,8 @@ A step, and how torch meets cupy-amp:
 3. If ``bool(stats.finite)``, the fp32 gradients are multiplied by ``stats.factor`` (the inverse scale
    times the clip coefficient, in float32: unscaling and clipping in one product; in ``fp16`` only after
    the copy to fp32, so that unscaling cannot underflow), and AdamW steps; else the step is skipped.
-4. ``scaler.update()``, then the rule under study (tools/rule_study.py's ``RULES``; ``torch``: none) sets
+4. ``scaler.update()``; for a prototype rule (tools/rule_study.py's ``RULES``; not for the scaler's own,
+   ``pytorch`` and ``headroom``, which are ``GradScaler(rule=...)``), that rule sets
    the next scale from ``scaler.journal()`` through ``load_checkpoint``, as ``rule_study.train`` does.
 
 The ceiling of a step. A pre-hook on every node of the autograd graph records the largest magnitude
@@ -57,7 +58,7 @@ lookup); the mean loss of the last 50 steps (the chain's own entropy, the lowest
 printed per seed); and the run's time.
 
 Usage: python tools/rule_study_gpt2.py [--precision autocast|fp16] [--steps 300] [--seeds 0]
-       [--starts 2**16 1 2**24] [--rules torch bisect headroom] [--layers 12 --width 768 --heads 12
+       [--starts 2**16 1 2**24] [--rules pytorch headroom] [--layers 12 --width 768 --heads 12
        --context 1024 --vocab 50257] [--batch 8 --length 1024] [--json PATH] [--budget-s SECONDS]
 """
 
@@ -83,7 +84,7 @@ import cupy_amp
 from cupy_amp import GradScaler
 
 sys.path.insert(0, os.path.dirname(__file__))  # rule_study is a sibling script, not a package
-from rule_study import FP16_MAX, FP16_TINY, RULES, parse_scale
+from rule_study import BUILT_IN, FP16_MAX, FP16_TINY, RULES, parse_scale
 
 # Autograd nodes that only change a tensor's layout: what enters them leaves them, to a node that records it.
 LAYOUT_NODES = frozenset(
@@ -100,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--starts", nargs="+", default=["2**16", "1", "2**24"])
-    parser.add_argument("--rules", nargs="+", default=["torch", "bisect", "headroom"], choices=["torch", *RULES])
+    parser.add_argument("--rules", nargs="+", default=list(BUILT_IN), choices=[*BUILT_IN, *RULES])
     parser.add_argument("--growth-interval", type=int, default=25)
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
@@ -315,7 +316,7 @@ def small_elements(grads: list[torch.Tensor]) -> int:
 
 def apply_rule(scaler: GradScaler, rule: str, growth_factor: float, growth_interval: int) -> None:
     """Set the next step's scale from the journal by ``rule`` (after update(), as rule_study.train does)."""
-    if rule == "torch":
+    if rule not in RULES:  # the scaler's own rule
         return
     chosen = RULES[rule](scaler.journal(), growth_factor, growth_interval)
     if chosen is None:
@@ -347,7 +348,10 @@ def train(args: argparse.Namespace, task: Task, rule: str, start: float, seed: i
     began = time.perf_counter()
     trainee = build_trainee(gpt2_config(args), seed, args.precision, device, args.lr)
     growth_factor = 2.0
-    scaler = GradScaler(init_scale=start, growth_interval=args.growth_interval, max_scale=None, min_scale=1.0)
+    built_in = rule if rule in BUILT_IN else "pytorch"
+    scaler = GradScaler(
+        init_scale=start, growth_interval=args.growth_interval, max_scale=None, min_scale=1.0, rule=built_in
+    )
     start_grad = torch.ones((), dtype=torch.float32, device=device)  # what the backward pass starts from
     start_view = arrays([start_grad])[0]
     result = Run(rule, start, seed, args.precision)

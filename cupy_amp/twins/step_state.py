@@ -8,7 +8,6 @@ step's begin, the vote cast and combined, an overflow marked, the rule applied o
 from __future__ import annotations
 
 import math
-
 from typing import Any
 
 import numpy as np

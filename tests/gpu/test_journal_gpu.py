@@ -151,20 +151,33 @@ def test_a_scaler_placed_on_the_gpu_keeps_the_steps_it_made_before_any_array() -
     assert entries["action"].tolist() == [journal.KEPT, journal.AT_FLOOR]
 
 
-def test_an_update_interrupted_at_any_line_journals_the_checks_norm() -> None:
+@pytest.mark.parametrize("rule", ["pytorch", "headroom"])
+def test_an_update_interrupted_at_any_line_journals_the_checks_norm(rule: str) -> None:
     # A repair of the state from the host mirror (after an interrupted update()) keeps the step's mark that
-    # its check() finished, so the retried rule journals the norm, as the NumPy path does.
+    # its check() finished, so the retried rule journals the norm (and the headroom rule reads it), as the
+    # NumPy path does: the device's state and journal are those of an uninterrupted update().
     from interrupts import interrupted
 
+    def checked(scaler: GradScaler) -> float:
+        scaler.scale_loss(cupy.ones((), cupy.float32))
+        return float(scaler.check([cupy.full(4, 8.0, cupy.float32)], max_norm=1.0).norm)
+
+    whole, two = (GradScaler(init_scale=4.0, growth_interval=1, rule=rule) for _ in range(2))
+    for steps in ([whole], [two, two]):
+        for scaler in steps:
+            checked(scaler)
+            scaler.update()
     k, reached = 1, True
     while reached:
-        scaler = GradScaler(init_scale=4.0, growth_interval=1)
-        scaler.scale_loss(cupy.ones((), cupy.float32))
-        stats = scaler.check([cupy.full(4, 8.0, cupy.float32)], max_norm=1.0)
-        norm = float(stats.norm)
+        scaler = GradScaler(init_scale=4.0, growth_interval=1, rule=rule)
+        norm = checked(scaler)
         reached = interrupted(scaler.update, k)
         if scaler.is_step_open():
             scaler.update()
         (entry,) = scaler.journal()
         assert (entry["norm"], entry["clip_coefficient"]) == (norm, np.float32(1.0 / (norm + 1e-6))), f"line {k}"
+        assert scaler.checkpoint() == whole.checkpoint(), f"line {k}"
+        checked(scaler)  # the device's state goes on as the mirror's: its next entry is the uninterrupted one's
+        scaler.update()
+        assert scaler.checkpoint() == two.checkpoint(), f"line {k}"
         k += 1
