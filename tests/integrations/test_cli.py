@@ -51,6 +51,12 @@ FIELD_NAMES = [
     "growths",
     "backoffs",
     "remote_skipped_steps",
+    "rule",
+    "overflow_scale",
+    "overflow_norm",
+    "clean_scale",
+    "clean_norm",
+    "overflows_in_row",
     "journal",
     "journal_names",
 ]
