@@ -59,11 +59,11 @@ MAX_CHECKPOINT_BYTES = 1 << 20
 # Every file starts with these bytes: a map of 4 entries whose first is "format": FORMAT_NAME.
 FILE_PREFIX = b"\x84" + msgpack.packb("format") + msgpack.packb(FORMAT_NAME)
 _TRAILER = 5  # 0xCE, msgpack's uint32 marker, then the CRC-32
-# Fewer than 20 scalar fields, a journal of at most 16384 entries of 40 bytes, and at most 4096 names of
+# Fewer than 32 scalar fields, a journal of at most 8192 entries of 64 bytes, and at most 4096 names of
 # at most 128 characters (cupy_amp.journal), which UTF-8 writes in up to 4 bytes each; a little room is left
 # so that a value of the wrong kind is reported by field name rather than as unreadable bytes.
 _LIMITS = {
-    "max_str_len": 128 * 4, "max_bin_len": 16384 * 40, "max_array_len": 4096, "max_map_len": 32, "max_ext_len": 0,
+    "max_str_len": 128 * 4, "max_bin_len": 8192 * 64, "max_array_len": 4096, "max_map_len": 32, "max_ext_len": 0,
 }  # fmt: skip
 _NESTED = ("journal", "journal_names")  # the fields that are not scalars (judged by GradScalerCheckpoint)
 

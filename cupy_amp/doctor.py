@@ -23,6 +23,10 @@ _FLOORED = 3  # backoffs stopped by the floor: the scale has collapsed
 _PINNED = 3  # growths stopped by max_scale with no overflow between them: the ceiling holds the scale down
 _BLOCKING = 3  # overflows closer than growth_interval, with no growth in the journal: growth is blocked
 _SOURCE_SHARE = 0.75  # of the overflows from a gradient's first to its last: it is the first culprit of most
+_UNDERFLOW_STEPS = 3  # clean steps with the numerics report, at least, to judge underflow from
+_UNDERFLOW_SHARE = 0.05  # zero or subnormal elements (median over those steps): many
+_UNDERFLOW_HEADROOM = 4.0  # float16's largest over the largest |g| (median): two growths of 2 were left unused
+FLOAT16_MAX = 65504.0
 
 
 class Finding(NamedTuple):
@@ -50,7 +54,7 @@ def diagnose(checkpoint: GradScalerCheckpoint) -> list[Finding]:
     names = checkpoint.journal_names
     findings = [
         finding
-        for rule in (_inf_source, _at_floor, _skip_rate, _low_ceiling, _growth_blocked)
+        for rule in (_inf_source, _at_floor, _skip_rate, _low_ceiling, _growth_blocked, _underflow)
         for finding in rule(checkpoint, entries, names)
     ]
     if not findings:
@@ -207,9 +211,45 @@ def _growth_blocked(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names
     ]
 
 
+def _underflow(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any) -> list[Finding]:
+    """Clean steps with the numerics report (``check(report=True)``), at least _UNDERFLOW_STEPS, where a median
+    _UNDERFLOW_SHARE or more of the elements were 0 or subnormal while the largest |g| stayed a median
+    _UNDERFLOW_HEADROOM times or more below float16's largest: small gradients were lost at a scale that had
+    room to grow (for float16 gradients: the report does not say the dtype, so the headroom is float16's)."""
+    reported = entries[(entries["agreed"] == 0) & ~np.isnan(entries["amax"])]
+    if len(reported) < _UNDERFLOW_STEPS or not _movable(checkpoint):
+        return []
+    lost = np.median(reported["zero_fraction"] + reported["subnormal_fraction"])
+    amax = float(np.median(reported["amax"]))
+    headroom = FLOAT16_MAX / amax if amax > 0 else float("inf")
+    if not (lost >= _UNDERFLOW_SHARE and headroom >= _UNDERFLOW_HEADROOM):
+        return []
+    last = reported[-1]
+    where = _name(names, int(last["amax_call"]), int(last["amax_position"])) if last["amax_call"] >= 0 else "none"
+    return [
+        Finding(
+            "underflow risk",
+            True,
+            f"In {len(reported)} reported clean steps, a median {100 * lost:.1f}% of the gradient elements were 0 or "
+            f"subnormal ({100 * float(np.median(reported['subnormal_fraction'])):.2f}% subnormal), while the largest "
+            f"|g| (a median {amax:g}, last in gradient {where!r}) stayed {headroom:.3g}x below float16's largest: with float16 "
+            f"gradients the scale had room to grow. Raise it: a higher init_scale or max_scale, a shorter "
+            f"growth_interval, or rule='headroom'.",
+            {
+                "steps": reported["step"].tolist(),
+                "zero_or_subnormal": float(lost),
+                "median_amax": amax,
+                "headroom": headroom,
+                "scale": float(last["scale"]),
+            },
+        )
+    ]
+
+
 def plot(checkpoint: GradScalerCheckpoint, path: str) -> None:
     """Draw the journal into ``path`` (its extension names the format): the scale each step used, with the
-    skipped steps and what the rule did, and ``check()``'s norm where the steps had one.
+    skipped steps and what the rule did; where the steps had the numerics report, the headroom (the scale at
+    which their largest |g| would reach float16's largest); and ``check()``'s norm where the steps had one.
 
     Raises:
         ValueError: matplotlib is missing, or writes no such format, or the folder does not exist; the
@@ -243,6 +283,10 @@ def plot(checkpoint: GradScalerCheckpoint, path: str) -> None:
     if skipped.any():
         label = f"skipped: {int(skipped.sum())}"
         scale_axis.plot(steps[skipped], scales[skipped], "x", color="black", ms=5, ls="none", label=label)
+    reported = ~np.isnan(entries["amax"]) & (entries["amax"] > 0)
+    if reported.any():
+        ceiling = scales[reported] * FLOAT16_MAX / entries["amax"][reported].astype(np.float64)
+        scale_axis.plot(steps[reported], ceiling, ":", color="tab:orange", lw=1, label="headroom: |g| at fp16 max")
     if len(entries):
         scale_axis.set_yscale("log", base=2)
     scale_axis.set(ylabel="loss scale", title=f"step journal: {len(entries)} steps")

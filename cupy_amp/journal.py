@@ -16,7 +16,12 @@ An entry (:data:`ENTRY`, a NumPy structured dtype) holds:
 - ``action``: what the rule did (:data:`ACTIONS`);
 - ``culprits``: how many of this rank's gradients held inf/nan; ``culprit_call`` and ``culprit``: the first
   of them, by its call's number in the step and its position in that call (-1 without one);
-- ``norm`` and ``clip_coefficient``: ``check()``'s, NaN in a step without ``check()``.
+- ``norm`` and ``clip_coefficient``: ``check()``'s, NaN in a step without ``check()``;
+- with ``check(report=True)`` (NaN and -1 without): ``amax``, the largest finite magnitude of the checked
+  gradients as they are (scaled), in float32 (a float64 one rounded, at most float32's largest);
+  ``amax_call`` and ``amax_position``, which gradient holds it (the lowest position among equals; -1 when
+  no element is above 0); ``zero_fraction`` and ``subnormal_fraction``, the fractions of the checked
+  elements that are 0, and subnormal in their own dtype.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy as np
 
 from cupy_amp.errors import CheckpointFieldError, ConfigError
 from cupy_amp.kernel_interface import JOURNAL_ENTRY
-from cupy_amp.rule import HEADROOM, ScalerConfig, ScalerState
+from cupy_amp.rule import FLOAT32_MAX, HEADROOM, ScalerConfig, ScalerState
 
 __all__ = [
     "ACTIONS",
@@ -51,12 +56,13 @@ __all__ = [
     "from_bytes",
     "names",
     "place",
+    "report_of",
     "to_bytes",
 ]
 
 ENTRY = JOURNAL_ENTRY
 DEFAULT_CAPACITY = 1024
-MAX_CAPACITY = 16384  # 640 KiB in a checkpoint, under its 1 MiB cap
+MAX_CAPACITY = 8192  # 512 KiB in a checkpoint, under its 1 MiB cap
 
 # What the rule did to the scale (kernels/common.cuh: kKept...).
 KEPT, GREW, BACKED_OFF, HELD, AT_FLOOR, AT_CEILING = range(6)
@@ -104,6 +110,26 @@ def action_of(config: ScalerConfig, before: ScalerState, after: ScalerState, ove
     return KEPT
 
 
+def report_of(numerics: Any, call: int) -> tuple[float, float, float, int, int]:
+    """Return a check's numerics report (:class:`cupy_amp.twins.grad_stats.Numerics`, one per gradient) as the
+    journal keeps it: (amax, zero fraction, subnormal fraction, amax's call, amax's position), as the device's
+    statistics pass and its finish compute them (kernels/grad_stats.cu)."""
+    best: tuple[int, int] | None = None  # (float32 bits of the largest, -position): the largest, lowest position
+    zeros = subnormals = elements = 0
+    for row in numerics:
+        zeros, subnormals, elements = zeros + row.zeros, subnormals + row.subnormals, elements + row.size
+        if row.amax != 0.0:
+            with np.errstate(over="ignore"):
+                largest = min(np.float32(row.amax), np.float32(FLOAT32_MAX))  # beyond float32: its largest
+            key = (int(np.float32(largest).view(np.uint32)), -row.position)
+            best = key if best is None or key > best else best
+    amax = float(np.uint32(best[0]).view(np.float32)) if best is not None else 0.0
+    where = (call, -best[1]) if best is not None else (-1, -1)
+    zero_fraction = float(np.float32(zeros / elements)) if elements else np.nan
+    subnormal_fraction = float(np.float32(subnormals / elements)) if elements else np.nan
+    return amax, zero_fraction, subnormal_fraction, *where
+
+
 def _copy(chosen: np.ndarray) -> np.ndarray:
     """Return a copy of entries field by field over zeros: NumPy's copies of a record leave its padding
     undefined, and a checkpoint's bytes must not depend on it."""
@@ -129,6 +155,18 @@ def entries(ring: np.ndarray, steps: int) -> np.ndarray:
     held &= (numbers - np.uint64(1)) % np.uint64(capacity) == np.arange(capacity, dtype=np.uint64)
     chosen = ring[held]
     return _copy(chosen[np.argsort(chosen["step"], kind="stable")])
+
+
+def _padding() -> np.ndarray:
+    """The entry's byte offsets that no field covers (zero in every entry cupy-amp writes)."""
+    covered = np.zeros(ENTRY.itemsize, dtype=bool)
+    for name in ENTRY.names or ():
+        dtype, offset = ENTRY.fields[name][:2]  # type: ignore[index]
+        covered[offset : offset + dtype.itemsize] = True
+    return np.flatnonzero(~covered)
+
+
+_PADDING = _padding()
 
 
 def place(capacity: int, chosen: np.ndarray) -> np.ndarray:
@@ -177,7 +215,23 @@ def from_bytes(data: bytes, steps: int) -> np.ndarray:
     scales = np.concatenate([chosen["scale"], chosen["next_scale"]])
     if np.any(~np.isfinite(scales) | (scales <= 0)):
         problems.append("scales must be finite and positive")
-    if np.any(raw[:, ENTRY.fields["action"][1] + 1 :]):  # type: ignore[index]
+    reported = ~np.isnan(chosen["amax"])
+    fractions = np.stack([chosen["zero_fraction"], chosen["subnormal_fraction"]])
+    where = np.stack([chosen["amax_call"], chosen["amax_position"]])
+    if (
+        np.any(reported & ~((chosen["amax"] >= 0) & np.isfinite(chosen["amax"])))
+        or np.any(~np.isnan(fractions[:, ~reported]))
+        or np.any(fractions[:, reported] < 0)
+        or np.any(fractions[:, reported] > 1)
+        or np.any(where < -1)
+        or np.any((where[0] < 0) != (where[1] < 0))
+        or np.any((where[0] >= 0) & ~reported)
+    ):
+        problems.append(
+            "a report's amax must be NaN (no report) or finite and >= 0, its fractions NaN without a report and "
+            "else in [0, 1] (or NaN: no element), its gradient's call and position both -1 or both >= 0"
+        )
+    if np.any(raw[:, _PADDING]):
         problems.append("padding bytes must be zero")
     if problems:
         raise CheckpointFieldError(f"Invalid 'journal': {'; '.join(problems)}. The file was not written by cupy-amp.")

@@ -91,6 +91,7 @@ struct State {
     u64 journal_capacity;  // 0: no journal
     u64 first_culprit;     // the step's lowest (call << 32 | position) that held inf/nan here; all ones: none
     u64 checked_epoch;     // the epoch of the last check() whose statistics were finished
+    u64 reported_epoch;    // the epoch of the last check(report=True) whose statistics were finished
     u64 overflows_in_row;  // the headroom rule's memory (cupy_amp.rule.ScalerState); 0 under PyTorch's rule
     u64 rule;              // kPytorch or kHeadroom (cupy_amp.rule.RULES)
     double vote_count;  // unscale_and_check's all-reduced pair: this rank's 0/1 overflow flag, then the ranks' count,
@@ -100,7 +101,12 @@ struct State {
     float overflow_norm;
     float clean_scale;  // the highest scale seen clean below it, and the last clean step's norm (0: none)
     float clean_norm;
-    float checked_norm;    // the norm of the last finished check() (at checked_epoch), for the host's read
+    float checked_norm;   // the norm of the last finished check() (at checked_epoch), for the host's read
+    float report_amax;    // that check's report (at reported_epoch): the largest finite magnitude (float32),
+    float zero_fraction;  // the fractions of the elements that are 0 and subnormal,
+    float subnormal_fraction;
+    int report_call;  // and where the largest is (-1, -1: no element above 0)
+    int report_position;
     int found;             // 1 once this rank's gradients of the step held inf/nan
     int agreed;            // with a communicator: 1 if any rank's did (from the all-reduced count)
     int poisoned;          // 1 once an all-reduce answered a poisoned vote (cupy_amp.distributed.POISON): for good
@@ -121,6 +127,11 @@ struct JournalEntry {
     unsigned char local;     // 1: this rank's gradients held inf/nan
     unsigned char agreed;    // 1: the step overflowed (here or on another rank), so it was skipped
     unsigned char action;    // cupy_amp.journal: kKept, kGrew, kBackedOff, kHeld, kAtFloor, kAtCeiling
+    float amax;              // with check(report=True): the largest finite |g| (float32); NaN without a report
+    float zero_fraction;     // the fractions of the step's checked elements that are 0, and subnormal; NaN likewise
+    float subnormal_fraction;
+    int amax_call;  // where the largest |g| is: its call and position (-1 without one)
+    int amax_position;
 };
 
 constexpr u64 kPytorch = 0, kHeadroom = 1;
@@ -179,7 +190,13 @@ struct StatsArgs {
     u64 report;        // the report entries only: u64[3] per tensor, zeroed before: amax bits, zeros, subnormals
     u64 positions;     // as for UnscaleArgs
     u64 call;
+    u64 step_report;  // with the report: u64[3], zeroed before, the whole call's (kReportHeader), else 0
 };
+
+// The whole call's numerics report, beside the per-tensor entries, for the step journal: the largest magnitude
+// as float32 bits in the high word with (all ones - its gradient's position) below (so atomicMax keeps the
+// largest, and the lowest position among equals), then the zeros and the subnormals.
+constexpr int kReportHeader = 3;
 
 // What a FinishArgs launch does: sum the blocks' sums and finish; or only sum (an all-reduce of
 // Stats::overflowed and Stats::sum_of_squares comes next); or only finish (after that all-reduce).
@@ -202,9 +219,12 @@ struct FinishArgs {
     u64 stats;     // Stats*
     u64 partials;  // const double[partial_count]: the blocks' sums of this call's launches, in order
     long long partial_count;
-    u64 state;       // State*: the scale and this rank's flag are read from it, the vote's verdict written
-    float max_norm;  // <= 0: no clipping
-    int stage;       // kSumAndFinish, kSumOnly or kFinishOnly
+    u64 state;           // State*: the scale and this rank's flag are read from it, the vote's verdict written
+    float max_norm;      // <= 0: no clipping
+    int stage;           // kSumAndFinish, kSumOnly or kFinishOnly
+    u64 step_report;     // the call's StatsArgs::step_report (0: no report), into the State for the journal
+    long long elements;  // the reported gradients' elements
+    long long call;      // the call's number in the step
 };
 
 // float32 <-> float64 conversions and the inverse scale, in explicit PTX without .ftz: the scale may be

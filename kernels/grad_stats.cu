@@ -13,7 +13,7 @@ namespace cupy_amp {
 // sums, whose order does not change the result. Shuffled as 32-bit words where the type allows (a warp's
 // counts of one tensor stay far below 2**32). Must be reached by every thread of the warp.
 template <class Op>
-__device__ __forceinline__ void report_tensor(Op& op, u64* entry) {
+__device__ __forceinline__ void report_tensor(Op& op, u64* entry, u64* step, u32 position) {
     typedef decltype(typename Op::Type::bits() + 0u) word;  // u32, or u64 for float64
     u64 largest, zero_count, subnormal_count;
     op.tally.take(largest, zero_count, subnormal_count);
@@ -24,7 +24,12 @@ __device__ __forceinline__ void report_tensor(Op& op, u64* entry) {
         amax = other > amax ? other : amax;
     }
     // An atomic whose result is not used does not hold the warp up (reading the entry first, to spare it, did).
-    if (threadIdx.x % 32 == 0 && amax != 0) atomicMax(counts, (unsigned long long)amax);
+    if (threadIdx.x % 32 == 0 && amax != 0) {
+        atomicMax(counts, (unsigned long long)amax);
+        u32 largest32 = __float_as_uint(narrow(Op::Type::value((typename Op::Type::bits)amax)));
+        if (largest32 == 0x7f800000u) largest32 = 0x7f7fffffu;  // a float64 beyond float32's range: its largest
+        atomicMax(reinterpret_cast<unsigned long long*>(step), ((unsigned long long)largest32 << 32) | ~position);
+    }
     u32 zeros = (u32)zero_count, subnormals = (u32)subnormal_count;
     if (!__any_sync(0xffffffffu, (zeros | subnormals) != 0)) return;  // zeros and subnormals are rare
     for (int offset = 16; offset > 0; offset /= 2) {
@@ -32,8 +37,11 @@ __device__ __forceinline__ void report_tensor(Op& op, u64* entry) {
         subnormals += __shfl_down_sync(0xffffffffu, subnormals, offset);
     }
     if (threadIdx.x % 32 == 0) {
-        if (zeros != 0) atomicAdd(counts + 1, (unsigned long long)zeros);
-        if (subnormals != 0) atomicAdd(counts + 2, (unsigned long long)subnormals);
+        unsigned long long* whole = reinterpret_cast<unsigned long long*>(step);
+        if (zeros != 0)
+            atomicAdd(counts + 1, (unsigned long long)zeros), atomicAdd(whole + 1, (unsigned long long)zeros);
+        if (subnormals != 0)
+            atomicAdd(counts + 2, (unsigned long long)subnormals), atomicAdd(whole + 2, (unsigned long long)subnormals);
     }
 }
 
@@ -45,6 +53,8 @@ __device__ void gradient_stats(const StatsArgs& args) {
     const u64 epoch = state->epoch;
     SumSquares<Type, kReport> op;
     u64* const entries = reinterpret_cast<u64*>(args.report);
+    u64* const step = reinterpret_cast<u64*>(args.step_report);
+    const int* const positions = reinterpret_cast<const int*>(args.positions);
     int reporting = -1;  // the tensor whose report the warp is keeping: a warp's chunks of one tensor add up first
     // Each warp walks chunks of its own, so a small tensor keeps only a warp busy, not a whole block, and the
     // other warps' loads stay in flight meanwhile. Neighbouring chunks go to warps of different blocks.
@@ -52,7 +62,8 @@ __device__ void gradient_stats(const StatsArgs& args) {
     for (long long c = (long long)(threadIdx.x / 32) * gridDim.x + blockIdx.x; c < args.chunk_count; c += warps) {
         const Chunk chunk = chunks[c];
         if constexpr (kReport) {
-            if (chunk.tensor != reporting && reporting >= 0) report_tensor(op, entries + 3 * reporting);
+            if (chunk.tensor != reporting && reporting >= 0)
+                report_tensor(op, entries + 3 * reporting, step, (u32)positions[reporting]);
             reporting = chunk.tensor;
         }
         const long long* layout = chunk.layout < 0 ? nullptr : layouts + chunk.layout;
@@ -65,7 +76,7 @@ __device__ void gradient_stats(const StatsArgs& args) {
         if constexpr (kReport) op.tally.settle();
     }
     if constexpr (kReport) {
-        if (reporting >= 0) report_tensor(op, entries + 3 * reporting);
+        if (reporting >= 0) report_tensor(op, entries + 3 * reporting, step, (u32)positions[reporting]);
     }
     const double total = block_sum(op.sum);
     if (threadIdx.x == 0) reinterpret_cast<double*>(args.partials)[blockIdx.x] = total;
@@ -121,6 +132,17 @@ __device__ void finish_stats(const FinishArgs& args) {
     stats->found = local;
     stats->bad_vote = bad ? 1 : 0;
     stats->skip = local != 0 || agreed || state->agreed != 0;
+    if (args.step_report != 0) {  // the report's whole-call numbers, for the journal
+        const u64* whole = reinterpret_cast<const u64*>(args.step_report);
+        const double elements = (double)args.elements;
+        const float nan = __int_as_float(0x7fc00000);
+        state->report_amax = __uint_as_float((u32)(whole[0] >> 32));
+        state->report_call = whole[0] == 0 ? -1 : (int)args.call;
+        state->report_position = whole[0] == 0 ? -1 : (int)~(u32)whole[0];
+        state->zero_fraction = args.elements > 0 ? narrow(__ddiv_rn((double)whole[1], elements)) : nan;
+        state->subnormal_fraction = args.elements > 0 ? narrow(__ddiv_rn((double)whole[2], elements)) : nan;
+        state->reported_epoch = state->epoch;
+    }
     state->checked_norm = norm;           // the headroom rule's signal, read by the host with the verdict
     state->checked_epoch = state->epoch;  // the journal takes this step's norm and clip coefficient
 }

@@ -34,6 +34,12 @@ __device__ void write_journal(State* s, float old, bool overflow, unsigned char 
     e->local = s->found != 0 ? 1 : 0;
     e->agreed = overflow ? 1 : 0;
     e->action = action;
+    const bool reported = s->reported_epoch == s->epoch;
+    e->amax = reported ? s->report_amax : nan;
+    e->zero_fraction = reported ? s->zero_fraction : nan;
+    e->subnormal_fraction = reported ? s->subnormal_fraction : nan;
+    e->amax_call = reported ? s->report_call : -1;
+    e->amax_position = reported ? s->report_position : -1;
 }
 
 // Comparisons and products of the headroom rule, in float64 like the rest of the rule (no -ftz flushing).

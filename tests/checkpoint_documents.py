@@ -134,9 +134,10 @@ GOLDEN_V2_FIELDS: dict[str, Any] = {**GOLDEN_V2_PAYLOAD, **GOLDEN_PYTORCH_RULE, 
 
 # A journal entry as the format specifies it (cupy_amp.journal.ENTRY), packed here with the struct module
 # so that the tests do not take the layout from the code they check: step (uint64), scale, next_scale, norm,
-# clip_coefficient (float32), culprits, culprit_call, culprit (int32), local, agreed, action (uint8), then one
-# zero byte of padding; little-endian, 40 bytes.
-ENTRY_FORMAT = "<QffffiiiBBBx"
+# clip_coefficient (float32), culprits, culprit_call, culprit (int32), local, agreed, action (uint8), one zero
+# byte of padding, amax, zero_fraction, subnormal_fraction (float32), amax_call, amax_position (int32), then
+# four zero bytes of padding; little-endian, 64 bytes.
+ENTRY_FORMAT = "<QffffiiiBBBxfffiixxxx"
 ENTRY_SIZE = struct.calcsize(ENTRY_FORMAT)
 ENTRY_FIELDS = (
     "step",
@@ -150,6 +151,11 @@ ENTRY_FIELDS = (
     "local",
     "agreed",
     "action",
+    "amax",
+    "zero_fraction",
+    "subnormal_fraction",
+    "amax_call",
+    "amax_position",
 )
 # What the rule did, by its code in an entry (cupy_amp.journal.ACTIONS must agree).
 KEPT, GREW, BACKED_OFF, HELD, AT_FLOOR, AT_CEILING = range(6)
@@ -171,10 +177,17 @@ def journal_entry(
     local: int = 0,
     agreed: int = 0,
     action: int = KEPT,
+    amax: float = NAN,
+    zero_fraction: float = NAN,
+    subnormal_fraction: float = NAN,
+    amax_call: int = -1,
+    amax_position: int = -1,
 ) -> bytes:
-    """One journal entry's bytes (NaN norm and clip coefficient: a step without check())."""
+    """One journal entry's bytes (NaN norm and clip coefficient: a step without check(); NaN and -1 for the
+    report's fields: a step without check(report=True))."""
     values = (step, scale, next_scale, norm, clip_coefficient, culprits, culprit_call, culprit, local, agreed, action)
-    return struct.pack(ENTRY_FORMAT, *values)
+    report = (amax, zero_fraction, subnormal_fraction, amax_call, amax_position)
+    return struct.pack(ENTRY_FORMAT, *values, *report)
 
 
 def unpack_journal(data: bytes) -> list[dict[str, Any]]:
@@ -187,13 +200,17 @@ def unpack_journal(data: bytes) -> list[dict[str, Any]]:
 # 5_000_000_000th step overflowed on another rank only (found_overflow without found_overflow_local) and was
 # held by its hysteresis of 2 (tracker 1): a local overflow with three culprits, the first the fifth
 # gradient of the step's second call, that backed the scale off (no check(): NaN norm); 2000 clean steps
-# later a growth, in a step with check(max_norm=1.0); then the remote overflow, checked (inf norm).
+# later a growth, in a step with check(max_norm=1.0, report=True) (its largest |g|, 1536, in the second gradient
+# of the call, a quarter of the elements 0 and a sixteenth subnormal); then the remote overflow, checked (inf norm).
 GOLDEN_JOURNAL = b"".join(
     [
         journal_entry(
             4_999_997_999, 32768.0, 16384.0, culprits=3, culprit_call=1, culprit=4, local=1, agreed=1, action=BACKED_OFF
         ),
-        journal_entry(4_999_999_999, 16384.0, 32768.0, norm=0.75, clip_coefficient=1.0, action=GREW),
+        journal_entry(
+            4_999_999_999, 16384.0, 32768.0, norm=0.75, clip_coefficient=1.0, action=GREW,
+            amax=1536.0, zero_fraction=0.25, subnormal_fraction=0.0625, amax_call=0, amax_position=1,
+        ),  # fmt: skip
         journal_entry(5_000_000_000, 32768.0, 32768.0, norm=INF, clip_coefficient=0.0, agreed=1, action=HELD),
     ]
 )
@@ -343,7 +360,7 @@ def with_fields(**changes: Any) -> GradScalerCheckpoint:
 
 
 # The largest journal a checkpoint holds (cupy_amp.journal.MAX_CAPACITY), and the most names.
-MAX_ENTRIES = 16384
+MAX_ENTRIES = 8192
 MAX_NAMES = 4096
 MAX_NAME_LENGTH = 128
 

@@ -112,9 +112,10 @@ class RefScaler:
         else:
             action = 0
         nan = float("nan")
-        entry = struct.pack(
-            "<QffffiiiBBBx", self.steps, old, self.scale, nan, nan, culprits, *first, overflow, overflow, action
-        )
+        entry = struct.pack(  # no check(): no norm, no report
+            "<QffffiiiBBBxfffiixxxx", self.steps, old, self.scale, nan, nan, culprits, *first, overflow, overflow,
+            action, nan, nan, nan, -1, -1,
+        )  # fmt: skip
         self.journal.append(entry)
         self.journal_names = names
 

@@ -136,6 +136,13 @@ _OTHER_STREAM = (
 _owners_lock = threading.Lock()
 
 
+# What a finished check() leaves in the State for the step's rule and journal entry (kernels/grad_stats.cu).
+_CHECKED_FIELDS = (
+    "checked_epoch", "checked_norm", "reported_epoch", "report_amax", "zero_fraction", "subnormal_fraction",
+    "report_call", "report_position",
+)  # fmt: skip
+
+
 def _python(value: np.generic) -> int | float:
     """A State field as the Python number ScalerState holds (float32 fields as floats, counters as ints)."""
     return float(value) if value.dtype.kind == "f" else int(value)
@@ -302,7 +309,9 @@ class DeviceState:
             record["bad_votes"] = current["bad_votes"]
             # The open step's culprits stay with its epoch: a repair mid-step keeps them for the journal's entry.
             record["culprits"], record["first_culprit"] = current["culprits"], current["first_culprit"]
-            record["checked_epoch"] = current["checked_epoch"]  # and whether its check() finished (its norm)
+            # And what its finished check() left: the norm (which the headroom rule reads) and the report's numbers.
+            for name in _CHECKED_FIELDS:
+                record[name] = current[name]
             began = int(current["updated_epoch"])  # the epoch the rule last closed here
             if reopen and began != 2**64 - 1 and _next_epoch(began) == int(current["epoch"]):
                 record["epoch"] = began  # the folded update's begin of the next step is undone

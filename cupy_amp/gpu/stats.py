@@ -25,6 +25,7 @@ __all__ = ["DeviceStatsRecord"]
 
 _STATS_FIELDS = {name: STATS.fields[name][1] for name in STATS.names or ()}  # type: ignore[index]
 _SUM_AND_FINISH, _SUM_ONLY, _FINISH_ONLY = 0, 1, 2  # FinishArgs::stage (kernels/common.cuh)
+_HEADER = 3  # the report's whole-call numbers before the per-gradient ones (kernels/common.cuh: kReportHeader)
 # kMinBlocks of kernels/common.cuh: every block resident at once, each warp walking chunks of its own.
 _STATS_BLOCKS_PER_SM = 2
 _WARPS_PER_BLOCK = THREADS // 32
@@ -68,6 +69,7 @@ class DeviceStatsRecord:
             # The numerics report: 3 counts per gradient (this state's own, never another scaler's); grows likewise.
             self._report = cupy.zeros(0, dtype=np.uint64)
             self._filled: cupy.ndarray | None = None  # the report buffer the last check(report=True) wrote
+            self._reported = (0, 0, 0)  # the last gather's report: (its address, its elements, the call's number)
             self._retired: list[cupy.ndarray] = []  # smaller ones they replaced, which captured graphs may still use
         self.address = int(self._memory.data.ptr)
         self.found = self._field("found", np.int32)
@@ -105,7 +107,7 @@ class DeviceStatsRecord:
     def reserve(self, plan: tuple[GradientGroup, ...] | None) -> None:
         """Make room for one sum per block of ``plan``'s launches and for its report (refused inside a capture)."""
         blocks = sum(grid for _, _, grid in self._launches(plan))
-        counts = 3 * sum(len(group.positions) for group in plan or ())
+        counts = _HEADER + 3 * sum(len(group.positions) for group in plan or ())
         if blocks > self._partials.size or counts > self._report.size:
             refuse_capture("the statistics buffers must first grow to these gradients' size")
             self._retired += [self._partials, self._report]  # a graph captured before still writes them: never freed
@@ -122,7 +124,7 @@ class DeviceStatsRecord:
         counts = 3 * sum(len(group.positions) for group in plan or ())
         if self._filled is None or counts == 0:
             return np.zeros(counts, dtype=np.uint64)
-        return np.asarray(self._filled[:counts].get())
+        return np.asarray(self._filled[_HEADER : _HEADER + counts].get())
 
     def gather(
         self, plan: tuple[GradientGroup, ...], stream: Any, state: int, flags: Callable[[GradientGroup], int],
@@ -145,9 +147,11 @@ class DeviceStatsRecord:
             if self._report.size:
                 cupy.cuda.runtime.memsetAsync(self._report.data.ptr, 0, self._report.nbytes, stream.ptr)
         partials, written, reported = int(self._partials.data.ptr), 0, 0
+        whole = int(self._report.data.ptr) if report else 0  # the call's own numbers, then each gradient's
+        self._reported = (whole, sum(sum(group.table.sizes) for group in plan or ()) if report else 0, number)
         for group, launch, grid in self._launches(plan, report):  # each launch's sums, and report, after the last
             if launch is not None:
-                entries = {"report": int(self._report.data.ptr) + 24 * reported} if report else {}
+                entries = {"report": whole + 8 * _HEADER + 24 * reported, "step_report": whole} if report else {}
                 found = flags(group)
                 launch(
                     grid,
@@ -162,12 +166,17 @@ class DeviceStatsRecord:
             reported += len(group.positions)
         self._finish(
             1, stream.ptr, stats=self.address, partials=partials, partial_count=written, state=state,
-            max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH,
+            max_norm=np.float32(max_norm), stage=_SUM_ONLY if voting else _SUM_AND_FINISH, **self._report_args(),
         )  # fmt: skip
+
+    def _report_args(self) -> dict[str, int]:
+        """The finish's arguments for the last gather's report (the journal's share of it)."""
+        whole, elements, number = self._reported
+        return {"step_report": whole, "elements": elements, "call": number}
 
     def finish(self, stream: Any, state: int, max_norm: float) -> None:
         """Queue the finish from the all-reduced :attr:`values` (checked on the device); never waits."""
         self._finish(
             1, stream.ptr, stats=self.address, partials=0, partial_count=0, state=state,
-            max_norm=np.float32(max_norm), stage=_FINISH_ONLY,
+            max_norm=np.float32(max_norm), stage=_FINISH_ONLY, **self._report_args(),
         )  # fmt: skip

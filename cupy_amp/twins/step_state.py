@@ -53,6 +53,11 @@ class HostState:
         self._own = 0.0  # this rank's own sum of squares, which the all-reduced one must contain
         self._poisoned = False  # an all-reduce answered a poisoned vote: every later step is an overflow
         self._numerics: list[Numerics] = []  # the last check(report=True)'s
+        # That check's numbers for the journal (amax, zero and subnormal fractions, call, position), taken when
+        # its statistics are finished, and the epoch they belong to (kernels/grad_stats.cu: finish_stats).
+        self._pending: tuple[float, float, float, int, int] | None = None
+        self._report: tuple[float, float, float, int, int] = (np.nan, np.nan, np.nan, -1, -1)
+        self._reported = -1
         self.restore(config, state, overflow, local, epoch)
 
     def read(self) -> Verdict:
@@ -124,8 +129,10 @@ class HostState:
         With ``voting``, the record is finished by :meth:`vote_sums` and
         :meth:`finish_vote`; with ``report``, the numerics report is taken too (:meth:`numerics`).
         """
+        self._pending = None
         if report:
             self._numerics = [grad_stats.numerics(position, array) for position, array in enumerate(call.arrays)]
+            self._pending = journal.report_of(self._numerics, number)
         culprits, total = grad_stats.sums(call.arrays)
         self._count(culprits, number)
         if voting:
@@ -136,6 +143,8 @@ class HostState:
 
     def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
         self._checked = self._epoch
+        if self._pending is not None:
+            self._report, self._reported = self._pending, self._epoch
         grad_stats.finish(
             self.stats.memory, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own
         )
@@ -210,11 +219,15 @@ class HostState:
         """Write the closed step's entry at its slot, as ``write_journal`` does on the device."""
         checked = self._checked == self._epoch
         call, position = self._first_culprit or (-1, -1)
+        amax, zeros, subnormals, amax_call, amax_position = (
+            self._report if self._reported == self._epoch else (np.nan, np.nan, np.nan, -1, -1)
+        )
         self._journal[(after.steps - 1) % len(self._journal)] = (
             after.steps, before.scale, after.scale,
             self.stats.norm if checked else np.nan, self.stats.clip_coefficient if checked else np.nan,
             self._culprits, call, position, self._found, overflow,
             journal.action_of(self._config, before, after, overflow),
+            amax, zeros, subnormals, amax_call, amax_position,
         )  # fmt: skip
 
     def journal(self) -> np.ndarray:

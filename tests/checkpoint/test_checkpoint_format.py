@@ -106,7 +106,7 @@ def test_the_journal_is_a_bin_and_the_names_arrays_of_strings() -> None:
 GOLDEN_SHA256 = {
     GOLDEN_V1: "4c61e4a17341da7314c582ec61b18672e85ce78f36ff6b670dc7cb3a33a45caa",
     GOLDEN_V2: "fb4d60acd11c34f1870d6ab5e32bb0b656c1fc9569f7486e0040f0d5c673648e",
-    GOLDEN_V3: "210f8a4d9d220accf27867d6d47d8da4cbb62d5a5e566211085ce798daac928d",
+    GOLDEN_V3: "5ed4115e44dfa38081f9db2e5fb6518c8d34d70059d87a4778745a0051b6b0d3",
 }
 
 

@@ -81,7 +81,7 @@ def refused(data: bytes, error: type[CheckpointError], field: str, match: str = 
 
 
 def test_the_entry_layout_is_the_formats() -> None:
-    assert step_journal.ENTRY.itemsize == ENTRY_SIZE == 40
+    assert step_journal.ENTRY.itemsize == ENTRY_SIZE == 64
     assert step_journal.ENTRY.names == ENTRY_FIELDS
     assert dict(enumerate(ACTION_NAMES)) == step_journal.ACTIONS
     assert (step_journal.MAX_CAPACITY, step_journal.MAX_NAMES, step_journal.MAX_NAME_LENGTH) == (
@@ -92,10 +92,12 @@ def test_the_entry_layout_is_the_formats() -> None:
     # Distinct values in every field, read through the library's dtype.
     data = journal_entry(
         2**40 + 3, 0.5, 2.0, norm=3.25, clip_coefficient=0.125, culprits=7, culprit_call=5, culprit=6, local=1,
-        agreed=1, action=AT_CEILING,
+        agreed=1, action=AT_CEILING, amax=4096.0, zero_fraction=0.375, subnormal_fraction=0.0078125, amax_call=2,
+        amax_position=9,
     )  # fmt: skip
     (read,) = np.frombuffer(data, dtype=step_journal.ENTRY)
-    assert read.tolist() == (2**40 + 3, 0.5, 2.0, 3.25, 0.125, 7, 5, 6, 1, 1, AT_CEILING)
+    expected = (2**40 + 3, 0.5, 2.0, 3.25, 0.125, 7, 5, 6, 1, 1, AT_CEILING, 4096.0, 0.375, 0.0078125, 2, 9)
+    assert read.tolist() == expected
     assert step_journal.to_bytes(np.frombuffer(data, dtype=step_journal.ENTRY)) == data
 
 
@@ -239,9 +241,9 @@ def test_an_old_file_loads_with_an_empty_journal() -> None:
 
 
 ENTRY_CASES: dict[str, tuple[bytes, str]] = {
-    "one-byte": (b"\x00", "a whole number of 40-byte entries"),
-    "short-entry": (GOLDEN_JOURNAL[:-1], "a whole number of 40-byte entries"),
-    "long-entry": (GOLDEN_JOURNAL + b"\x00", "a whole number of 40-byte entries"),
+    "one-byte": (b"\x00", "a whole number of 64-byte entries"),
+    "short-entry": (GOLDEN_JOURNAL[:-1], "a whole number of 64-byte entries"),
+    "long-entry": (GOLDEN_JOURNAL + b"\x00", "a whole number of 64-byte entries"),
     "decreasing": (entry(STEPS) + entry(STEPS - 1), "steps must increase"),
     "repeated": (entry(STEPS - 1) + entry(STEPS - 1), "steps must increase"),
     "step-zero": (entry(0), "steps must increase"),
@@ -266,6 +268,15 @@ ENTRY_CASES: dict[str, tuple[bytes, str]] = {
     "next-scale-zero": (entry(next_scale=0.0), "scales must be finite and positive"),
     "next-scale-negative": (entry(next_scale=-2.0), "scales must be finite and positive"),
     "padding": (entry()[:-1] + b"\x01", "padding bytes must be zero"),
+    "padding-after-action": (entry()[:39] + b"\x01" + entry()[40:], "padding bytes must be zero"),
+    "amax-negative": (entry(amax=-1.0, zero_fraction=0.0, subnormal_fraction=0.0), "a report's amax must be NaN"),
+    "amax-inf": (entry(amax=INF, zero_fraction=0.0, subnormal_fraction=0.0), "a report's amax must be NaN"),
+    "fraction-above-one": (entry(amax=1.0, zero_fraction=1.5, subnormal_fraction=0.0), "else in [0, 1]"),
+    "fraction-negative": (entry(amax=1.0, zero_fraction=0.0, subnormal_fraction=-0.25), "else in [0, 1]"),
+    "fraction-without-report": (entry(zero_fraction=0.5), "NaN without a report"),
+    "amax-where-without-report": (entry(amax_call=0, amax_position=0), "both -1 or both >= 0"),
+    "amax-call-without-position": (entry(amax=1.0, amax_call=0, amax_position=-1), "both -1 or both >= 0"),
+    "amax-position-below-minus-one": (entry(amax=1.0, amax_call=-2, amax_position=-2), "both -1 or both >= 0"),
     "padding-high-bit": (GOLDEN_JOURNAL[:-1] + b"\x80", "padding bytes must be zero"),
 }
 
@@ -285,12 +296,12 @@ def test_several_problems_are_named_together() -> None:
 
 
 def test_a_journal_over_the_most_entries_is_refused_in_a_file_and_at_construction() -> None:
-    # 16385 entries: 655400 bytes, a file well under the 1 MiB cap; the parser's bin limit refuses it.
+    # 8193 entries: 524352 bytes, a file well under the 1 MiB cap; the parser's bin limit refuses it.
     journal = entry(STEPS - MAX_ENTRIES) + MOST_ENTRIES
     data = journal_document(journal)
     assert len(data) < MAX_CHECKPOINT_BYTES
     refused(data, CheckpointCorruptError, "journal", "max_bin_len")
-    with pytest.raises(CheckpointFieldError, match=r"^Invalid 'journal': .*at most 16384; got 655400 bytes"):
+    with pytest.raises(CheckpointFieldError, match=r"^Invalid 'journal': .*at most 8192; got 524352 bytes"):
         GradScalerCheckpoint(**{**GOLDEN_FIELDS, "journal": journal})
 
 
@@ -440,7 +451,7 @@ def test_mutated_journals_and_names_raise_only_checkpoint_errors(
         return
     # Accepted: then it is valid by every rule, and re-encodes to what a valid checkpoint's bytes are.
     assert GradScalerCheckpoint.from_bytes(checkpoint.to_bytes()) == checkpoint
-    assert step_journal.from_bytes(checkpoint.journal, checkpoint.steps).size == len(checkpoint.journal) // 40
+    assert step_journal.from_bytes(checkpoint.journal, checkpoint.steps).size == len(checkpoint.journal) // ENTRY_SIZE
 
 
 def test_a_scaler_keeps_a_journal_of_steps_past_two_to_the_63() -> None:

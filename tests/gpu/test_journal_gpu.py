@@ -181,3 +181,37 @@ def test_an_update_interrupted_at_any_line_journals_the_checks_norm(rule: str) -
         scaler.update()
         assert scaler.checkpoint() == two.checkpoint(), f"line {k}"
         k += 1
+
+
+def report_gradients(xp: Any, step: int) -> list[Any]:
+    """Gradients of four dtypes (two chunks of one): zeros, float16 subnormals, equal largest magnitudes in
+    two of them (the lower position is named), and a float64 beyond float32's range in one step."""
+    rng = np.random.default_rng(step)
+    half = (rng.standard_normal(BIG) * 4).astype(np.float16)
+    half[rng.random(BIG) < 0.2] = 0.0
+    half[:50] = np.float16(2.0**-20)  # subnormal in float16
+    single = rng.standard_normal(300).astype(np.float32)
+    single[7] = float(np.abs(half).max())  # as large as the float16 one, at a later position: not named
+    double = rng.standard_normal(40) * (1e300 if step == 2 else 1.0)
+    grads = [half, single, double, np.zeros(3, np.float32)]
+    if step == 1:
+        grads[1][3] = np.inf  # an overflowing step: the largest finite magnitude is still reported
+    return [xp.asarray(grad) for grad in grads]
+
+
+@pytest.mark.parametrize("face", FACES, ids=lambda face: face.__name__)
+def test_the_reports_journal_fields_are_the_numpy_paths(face: type) -> None:
+    def run_report(xp: Any) -> np.ndarray:
+        scaler = face(init_scale=2.0**4, growth_interval=2)
+        for step in range(5):
+            scaler.scale_loss(xp.ones((), xp.float32))
+            scaler.check(report_gradients(xp, step), max_norm=1.0, report=step != 3)
+            scaler.update()
+        return scaler.journal()
+
+    host, device = run_report(np), run_report(cupy)
+    assert device.tobytes() == host.tobytes()
+    assert np.isnan(device["amax"][3]) and device["amax_position"][3] == -1  # no report in that step
+    assert device["amax"][2] == np.finfo(np.float32).max and device["amax_position"][2] == 2
+    assert (device["amax_call"][0], device["amax_position"][0]) == (0, 0)
+    assert 0.2 < device["zero_fraction"][0] < 0.3 and device["subnormal_fraction"][0] > 0

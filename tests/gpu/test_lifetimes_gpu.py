@@ -103,13 +103,13 @@ def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_o
     original = StateSet.restore
     second_line, second_landed = 0, False
 
-    def interrupted_repair(self: StateSet, *args: Any) -> None:
+    def interrupted_repair(self: StateSet, *args: Any, **kwargs: Any) -> None:
         nonlocal second_landed
-        if second_line and interrupted(lambda: original(self, *args), second_line):
+        if second_line and interrupted(lambda: original(self, *args, **kwargs), second_line):
             second_landed = True
             raise KeyboardInterrupt
         if not second_line:
-            original(self, *args)
+            original(self, *args, **kwargs)
 
     monkeypatch.setattr(StateSet, "restore", interrupted_repair)
     k, seconds, expected = 1, 0, (2.0 if bad else 8.0)
@@ -370,8 +370,8 @@ def test_an_impossible_answer_after_the_state_was_restored_is_reported_again(
     def interrupt_after(name: str, call: Any) -> None:
         original = getattr(StateSet, name)
 
-        def then_interrupt(self: StateSet, *args: Any) -> None:
-            original(self, *args)
+        def then_interrupt(self: StateSet, *args: Any, **kwargs: Any) -> None:
+            original(self, *args, **kwargs)
             raise KeyboardInterrupt
 
         with monkeypatch.context() as patched:

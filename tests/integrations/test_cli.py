@@ -18,6 +18,7 @@ from checkpoint_documents import (
     ACTION_NAMES,
     BACKED_OFF,
     ENTRY_FIELDS,
+    ENTRY_SIZE,
     GOLDEN_FIELDS,
     GOLDEN_V1,
     GOLDEN_V2,
@@ -139,6 +140,9 @@ def checkpoint_from_json(fields: dict[str, Any]) -> GradScalerCheckpoint:
             norm=number(entry["norm"]),
             clip_coefficient=number(entry["clip_coefficient"]),
             **{name: entry[name] for name in ("culprits", "culprit_call", "culprit", "local", "agreed", "action")},
+            **{name: number(entry[name]) for name in ("amax", "zero_fraction", "subnormal_fraction")},
+            amax_call=entry["amax_call"],
+            amax_position=entry["amax_position"],
         )
         for entry in fields["journal"]
     )
@@ -199,7 +203,7 @@ def test_inspect_prints_one_aligned_line_per_field(good: Path, capsys: pytest.Ca
     [
         ({"journal": b"", "journal_names": ()}, "empty", "none"),
         (
-            {"journal": JOURNAL[-40:], "journal_names": ((),)},
+            {"journal": JOURNAL[-ENTRY_SIZE:], "journal_names": ((),)},
             "1 step (step 100): 0 skipped, 0 backed off, 0 grew",
             "0 names in 1 call",
         ),
@@ -265,13 +269,17 @@ def test_inspect_json_shows_each_journal_entry_by_name(capsys: pytest.CaptureFix
     assert fields["journal_names"] == [["0", "layer.weight"], ["embed.weight", "d\u00e9codeur.bias"]]
     backed_off, grew, held = fields["journal"]
     for entry in (backed_off, grew, held):
-        assert list(entry) == [*ENTRY_FIELDS[: ENTRY_FIELDS.index("action") + 1], "action_name"]
+        after = ENTRY_FIELDS.index("action") + 1
+        assert list(entry) == [*ENTRY_FIELDS[:after], "action_name", *ENTRY_FIELDS[after:]]
     assert backed_off == {
         "step": 4_999_997_999, "scale": 32768.0, "next_scale": 16384.0, "norm": None, "clip_coefficient": None,
         "culprits": 3, "culprit_call": 1, "culprit": 4, "local": 1, "agreed": 1, "action": 2,
-        "action_name": "backed off",
+        "action_name": "backed off", "amax": None, "zero_fraction": None, "subnormal_fraction": None,
+        "amax_call": -1, "amax_position": -1,
     }  # fmt: skip
     assert (grew["norm"], grew["clip_coefficient"], grew["action_name"]) == (0.75, 1.0, "grew")
+    report = [grew[name] for name in ("amax", "zero_fraction", "subnormal_fraction", "amax_call", "amax_position")]
+    assert report == [1536.0, 0.25, 0.0625, 0, 1]
     assert (held["norm"], held["clip_coefficient"], held["action_name"]) == ("inf", 0.0, "held by hysteresis")
 
 

@@ -80,6 +80,32 @@ def test_growth_blocked_by_hysteresis_is_found(tmp_path: Path) -> None:
     assert kinds(path) == {"growth blocked by hysteresis", "skip rate"}
 
 
+def test_small_gradients_at_a_scale_with_room_to_grow_are_an_underflow_risk(tmp_path: Path) -> None:
+    # float16 gradients a scale of 1 leaves mostly subnormal, the largest far below float16's maximum; the
+    # scale would grow only after 2000 clean steps. Reported every step: the doctor sees the lost elements.
+    scaler = GradScaler(init_scale=1.0, growth_interval=2000)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        grads = {"w": (rng.standard_normal(256) * 2.0**-16).astype(np.float16), "b": np.full(4, 0.5, np.float16)}
+        scaler.scale_loss(np.ones((), np.float32))
+        scaler.check(grads, max_norm=1.0, report=True)
+        scaler.update()
+    path = tmp_path / "underflow.ckpt"
+    scaler.checkpoint().save(path)
+    assert kinds(path) == {"underflow risk"}
+    (finding,) = diagnose_file(path)
+    assert finding.evidence["zero_or_subnormal"] > 0.5 and finding.evidence["headroom"] > 2.0**10
+    assert "'b'" in finding.summary  # where the largest |g| is, by name
+    # The same run, reported but with the gradients at a scale near float16's top: healthy.
+    scaler = GradScaler(init_scale=2.0**14, growth_interval=2000)
+    for _ in range(20):
+        scaler.scale_loss(np.ones((), np.float32))
+        scaler.check({"w": np.full(256, 2.0, np.float16)}, max_norm=1.0, report=True)
+        scaler.update()
+    scaler.checkpoint().save(path)
+    assert kinds(path) == {"healthy"}
+
+
 def diagnose_file(path: Path) -> list[Any]:
     from cupy_amp.checkpoint import GradScalerCheckpoint
 

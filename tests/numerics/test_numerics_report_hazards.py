@@ -159,7 +159,7 @@ def test_gradient_numerics_is_not_torn_by_the_next_steps_check_in_another_thread
     assert [row.size for row in scaler.gradient_numerics()] == [3, 1]  # then step N+1's
 
 
-def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
+def test_the_device_report_pass_over_no_gradients_reaches_the_finish(monkeypatch: pytest.MonkeyPatch) -> None:
     """check([], report=True) on a GPU state: DeviceStatsRecord.gather(plan=None, report=True).
 
     A call without arrays (a rank without gradients) runs the statistics pass over nothing on the state the
@@ -171,12 +171,19 @@ def test_the_device_report_pass_over_no_gradients_reaches_the_finish() -> None:
     record = object.__new__(device_stats.DeviceStatsRecord)
     record._grid = 4
     record._partials = SimpleNamespace(size=0, data=SimpleNamespace(ptr=0))
-    record._report = SimpleNamespace(size=0, nbytes=0, data=SimpleNamespace(ptr=0))
+    # Room for the report's whole-call numbers, which are zeroed even over no gradients (the memset stands in).
+    record._report = SimpleNamespace(size=3, nbytes=24, data=SimpleNamespace(ptr=4096))
+    zeroed: list[tuple[int, int]] = []
+    monkeypatch.setattr(
+        device_stats.cupy.cuda.runtime, "memsetAsync", lambda ptr, value, size, stream: zeroed.append((ptr, size))
+    )
     record.result = SimpleNamespace(stream=None)
     record.address = 0
     record._finish = lambda grid, stream, **fields: finished.append(fields)
     stream = SimpleNamespace(ptr=0)
     record.gather(None, stream, 0, lambda group: 0, 0.0, False)
-    # This call raised TypeError: 'NoneType' object is not iterable.
+    # This call raised TypeError: 'NoneType' object is not iterable (twice: the plan, then its sizes).
     record.gather(None, stream, 0, lambda group: 0, 0.0, False, report=True)
-    assert len(finished) == 2 and finished[0] == finished[1]
+    assert len(finished) == 2 and zeroed == [(4096, 24)]
+    # The finish gets the zeroed numbers of no elements (the journal: amax 0, fractions NaN), else the same.
+    assert finished[1] == {**finished[0], "step_report": 4096, "elements": 0, "call": 0}
