@@ -232,9 +232,9 @@ def _underflow(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any
             True,
             f"In {len(reported)} reported clean steps, a median {100 * lost:.1f}% of the gradient elements were 0 or "
             f"subnormal ({100 * float(np.median(reported['subnormal_fraction'])):.2f}% subnormal), while the largest "
-            f"|g| (a median {amax:g}, last in gradient {where!r}) stayed {headroom:.3g}x below float16's largest: with float16 "
-            f"gradients the scale had room to grow. Raise it: a higher init_scale or max_scale, a shorter "
-            f"growth_interval, or rule='headroom'.",
+            f"|g| (a median {amax:g}, last in gradient {where!r}) stayed {headroom:.3g}x below float16's largest: "
+            f"with float16 gradients the scale had room to grow. Raise it: a higher init_scale or max_scale, a "
+            f"shorter growth_interval, or rule='headroom'.",
             {
                 "steps": reported["step"].tolist(),
                 "zero_or_subnormal": float(lost),

@@ -208,9 +208,18 @@ GOLDEN_JOURNAL = b"".join(
             4_999_997_999, 32768.0, 16384.0, culprits=3, culprit_call=1, culprit=4, local=1, agreed=1, action=BACKED_OFF
         ),
         journal_entry(
-            4_999_999_999, 16384.0, 32768.0, norm=0.75, clip_coefficient=1.0, action=GREW,
-            amax=1536.0, zero_fraction=0.25, subnormal_fraction=0.0625, amax_call=0, amax_position=1,
-        ),  # fmt: skip
+            4_999_999_999,
+            16384.0,
+            32768.0,
+            norm=0.75,
+            clip_coefficient=1.0,
+            action=GREW,
+            amax=1536.0,
+            zero_fraction=0.25,
+            subnormal_fraction=0.0625,
+            amax_call=0,
+            amax_position=1,
+        ),
         journal_entry(5_000_000_000, 32768.0, 32768.0, norm=INF, clip_coefficient=0.0, agreed=1, action=HELD),
     ]
 )
