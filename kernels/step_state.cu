@@ -60,6 +60,11 @@ __device__ __forceinline__ float upper(float a, float b) {
     return below(a, b) ? b : a;
 }
 
+// Zero tests in float64 too: a scale (and so this memory) may be a float32 subnormal, which -ftz would flush.
+__device__ __forceinline__ bool is_zero(float f) {
+    return widen(f) == 0.0;
+}
+
 __device__ __forceinline__ bool positive_finite(float f) {
     return widen(f) > 0.0 && widen(f) < widen(__int_as_float(0x7f800000));
 }
@@ -88,7 +93,7 @@ __device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
         const float known = below(s->clean_scale, old) ? s->clean_scale : 0.0f;
         const float backed = upper(narrow(__dmul_rn(widen(old), s->backoff_factor)), narrow(s->floor));
         int gap = 0;
-        if (known == 0.0f) {
+        if (is_zero(known)) {
             double factor = s->backoff_factor;
             const int squarings = (int)(in_row < (u64)kMaxDescent ? in_row : (u64)kMaxDescent) - 1;
             for (int i = 0; i < squarings; ++i) factor = __dmul_rn(factor, factor);
@@ -111,14 +116,14 @@ __device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
     }
     if (positive_finite(norm)) s->clean_norm = norm;
     u64 good = 0;
-    if (s->overflow_scale == 0.0f) {
+    if (is_zero(s->overflow_scale)) {
         s->clean_scale = upper(s->clean_scale, old);  // below whatever overflows first
         const float grown = times(old, s->growth_factor, kClimb);
         scale = positive_finite(grown) ? lower(grown, ceiling) : old;
     } else {
         if (below(old, s->overflow_scale)) s->clean_scale = upper(s->clean_scale, old);
         const int gap =
-            s->clean_scale != 0.0f ? factors_between(s->clean_scale, s->overflow_scale, s->growth_factor) : 1;
+            !is_zero(s->clean_scale) ? factors_between(s->clean_scale, s->overflow_scale, s->growth_factor) : 1;
         if (gap >= 2) {
             scale = lower(times(s->clean_scale, s->growth_factor, gap / 2), ceiling);
         } else {
