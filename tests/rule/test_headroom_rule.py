@@ -196,3 +196,33 @@ def test_the_torch_state_dict_warns_that_pytorch_runs_its_own_rule() -> None:
     checkpoint = GradScaler(rule="headroom", min_scale=None, max_scale=None).checkpoint()
     with pytest.warns(UserWarning, match="rule='headroom'"):
         checkpoint.to_torch_state_dict()
+
+
+@pytest.mark.parametrize("face", [GRAD_SCALER, SYNC_FREE], ids=lambda face: face.name)
+def test_ranks_with_sharded_gradients_move_their_scales_together(face: Face) -> None:
+    # The rule reads check()'s all-reduced norm, the same on every rank, and the agreed verdict: the ranks'
+    # scales and memories stay equal, though only rank 1's gradients overflow, and each journals its own report.
+    from fake_comm import FakeVote, FakeWorld, run_ranks
+
+    world = FakeWorld(2)
+    simulated = Simulated(2.0**12)
+
+    def rank_body(world: FakeWorld, rank: int) -> tuple[Any, np.ndarray]:
+        scaler = face(init_scale=1.0, growth_interval=3, max_scale=None, rule="headroom", comm=FakeVote(world, rank))
+        for step in range(30):
+            grads = simulated.gradients(step, scaler.stats().scale) if rank == 1 else [np.full(3, 0.25, np.float32)]
+            scaler.scale_loss(np.ones((), np.float32))
+            scaler.check(grads, max_norm=1.0, report=True)
+            scaler.update()
+        return scaler.checkpoint().state(), scaler.journal()
+
+    (state0, journal0), (state1, journal1) = run_ranks(world, rank_body)
+    # Equal but for the remote skips: rank 0's skips are all remote.
+    assert dataclasses.replace(state0, remote_skipped_steps=0) == dataclasses.replace(state1, remote_skipped_steps=0)
+    assert state0.remote_skipped_steps == state0.skipped_steps > 0 and state1.remote_skipped_steps == 0
+    assert journal0["next_scale"].tobytes() == journal1["next_scale"].tobytes()
+    assert (journal0["norm"].tobytes(), journal0["agreed"].tolist()) == (
+        journal1["norm"].tobytes(),
+        journal1["agreed"].tolist(),
+    )
+    assert (journal0["amax"] == 0.25).all() and not np.isnan(journal1["amax"]).any()  # each rank's own report
