@@ -137,6 +137,16 @@ class GradScalerCheckpoint:
         _at_most("remote_skipped_steps", self.remote_skipped_steps, "skipped_steps", self.skipped_steps)
         for name in _MEMORY_FLOATS:
             set_field(self, name, _memory_float(name, getattr(self, name)))
+        for name in ("overflow_scale", "clean_scale"):  # scales the scaler used: inside its clamps
+            if getattr(self, name):
+                config.refuse_out_of_range(
+                    expect_scale(CheckpointFieldError, name, getattr(self, name)), name, CheckpointFieldError
+                )
+        if self.overflow_scale and self.clean_scale >= self.overflow_scale:
+            raise CheckpointFieldError(
+                f"Invalid 'clean_scale': expected a value below overflow_scale ({self.overflow_scale!r}) (the highest "
+                f"scale seen clean below the last overflow), got {self.clean_scale!r}."
+            )
         in_row = expect_int(CheckpointFieldError, "overflows_in_row", self.overflows_in_row, 0)
         set_field(self, "overflows_in_row", in_row)
         _at_most("overflows_in_row", self.overflows_in_row, "skipped_steps", self.skipped_steps)

@@ -216,28 +216,31 @@ def _underflow(checkpoint: GradScalerCheckpoint, entries: np.ndarray, names: Any
     _UNDERFLOW_SHARE or more of the elements were 0 or subnormal while the largest |g| stayed a median
     _UNDERFLOW_HEADROOM times or more below float16's largest: small gradients were lost at a scale that had
     room to grow (for float16 gradients: the report does not say the dtype, so the headroom is float16's)."""
-    reported = entries[(entries["agreed"] == 0) & ~np.isnan(entries["amax"])]
+    # Reported clean steps with elements (a report over none has NaN fractions).
+    reported = entries[(entries["agreed"] == 0) & ~np.isnan(entries["amax"]) & ~np.isnan(entries["zero_fraction"])]
     if len(reported) < _UNDERFLOW_STEPS or not _movable(checkpoint):
         return []
-    lost = np.median(reported["zero_fraction"] + reported["subnormal_fraction"])
+    lost = float(np.median(reported["zero_fraction"] + reported["subnormal_fraction"]))
     amax = float(np.median(reported["amax"]))
-    headroom = FLOAT16_MAX / amax if amax > 0 else float("inf")
-    if not (lost >= _UNDERFLOW_SHARE and headroom >= _UNDERFLOW_HEADROOM):
+    headroom = FLOAT16_MAX / amax if amax > 0 else None  # None: every element 0, any scale had room
+    if not (lost >= _UNDERFLOW_SHARE and (headroom is None or headroom >= _UNDERFLOW_HEADROOM)):
         return []
+    room = f"stayed {headroom:.3g}x below" if headroom is not None else "was 0, far below"
     last = reported[-1]
-    where = _name(names, int(last["amax_call"]), int(last["amax_position"])) if last["amax_call"] >= 0 else "none"
+    held = last["amax_call"] >= 0  # a step whose elements are all 0 names no gradient
+    where = f", last in gradient {_name(names, int(last['amax_call']), int(last['amax_position']))!r}" if held else ""
     return [
         Finding(
             "underflow risk",
             True,
             f"In {len(reported)} reported clean steps, a median {100 * lost:.1f}% of the gradient elements were 0 or "
             f"subnormal ({100 * float(np.median(reported['subnormal_fraction'])):.2f}% subnormal), while the largest "
-            f"|g| (a median {amax:g}, last in gradient {where!r}) stayed {headroom:.3g}x below float16's largest: "
+            f"|g| (a median {amax:g}{where}) {room} float16's largest: "
             f"with float16 gradients the scale had room to grow. Raise it: a higher init_scale or max_scale, a "
             f"shorter growth_interval, or rule='headroom'.",
             {
                 "steps": reported["step"].tolist(),
-                "zero_or_subnormal": float(lost),
+                "zero_or_subnormal": lost,
                 "median_amax": amax,
                 "headroom": headroom,
                 "scale": float(last["scale"]),

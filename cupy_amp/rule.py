@@ -415,14 +415,14 @@ def headroom_state(
             L = clean_scale if clean_scale < s else 0     (a clean scale known below)
             overflow_scale, overflow_norm, clean_scale = s, clean_norm, L
             L == 0:          scale = s * b**(2**(min(r, 6) - 1))      (2x, 4x, 16x... from a start too high)
-            gap(L, s) >= 2:  scale = min(L * g**(gap // 2), s * b)   (halfway, in exponents)
+            gap(L, s) >= 2:  scale = min(L * g**(gap // 2), s * b)   (halfway, in exponents; at least min_scale)
             else:            scale = s * b
         clean (at s), norm n (NaN without check()):
             clean_norm = n if n is finite and > 0
             clean_scale = max(clean_scale, s) if overflow_scale == 0 or s < overflow_scale
             overflow_scale == 0:  scale = s * g**4      (no overflow yet: climb from a start too low)
             else:
-                gap(clean_scale, overflow_scale) >= 2:  scale = clean_scale * g**(gap // 2)
+                gap(clean_scale, overflow_scale) >= 2:  scale = max(clean_scale * g**(gap // 2), s)
                 else: PyTorch's growth (after growth_interval clean steps, * g), then, if overflow_norm > 0
                       and n > 0: with E = overflow_scale * overflow_norm / n (float64: where the last
                       overflow's ceiling has moved as the norm fell), j the most products by g that keep
@@ -443,7 +443,7 @@ def headroom_state(
                 factor *= factor
             scale = max(to_float32(old * factor), config.floor)
         elif (gap := _factors_between(below, old, config.growth_factor)) >= 2:
-            scale = min(_times(below, config.growth_factor, gap // 2), backed)
+            scale = max(min(_times(below, config.growth_factor, gap // 2), backed), config.floor)
         else:
             scale = backed
         return dataclasses.replace(
@@ -469,8 +469,8 @@ def headroom_state(
         if old < state.overflow_scale:
             clean_scale = max(clean_scale, old)
         gap = _factors_between(clean_scale, state.overflow_scale, config.growth_factor) if clean_scale else 1
-        if gap >= 2:
-            scale = min(_times(clean_scale, config.growth_factor, gap // 2), config.ceiling)
+        if gap >= 2:  # never below the clean step's own scale
+            scale = min(max(_times(clean_scale, config.growth_factor, gap // 2), old), config.ceiling)
         else:
             good = state.consecutive_good_steps + 1
             if good >= config.growth_interval:

@@ -99,7 +99,7 @@ __device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
             for (int i = 0; i < squarings; ++i) factor = __dmul_rn(factor, factor);
             scale = upper(narrow(__dmul_rn(widen(old), factor)), narrow(s->floor));
         } else if ((gap = factors_between(known, old, s->growth_factor)) >= 2) {
-            scale = lower(times(known, s->growth_factor, gap / 2), backed);
+            scale = upper(lower(times(known, s->growth_factor, gap / 2), backed), narrow(s->floor));
         } else {
             scale = backed;
         }
@@ -124,8 +124,8 @@ __device__ unsigned char headroom_rule(State* s, bool overflow, float norm) {
         if (below(old, s->overflow_scale)) s->clean_scale = upper(s->clean_scale, old);
         const int gap =
             !is_zero(s->clean_scale) ? factors_between(s->clean_scale, s->overflow_scale, s->growth_factor) : 1;
-        if (gap >= 2) {
-            scale = lower(times(s->clean_scale, s->growth_factor, gap / 2), ceiling);
+        if (gap >= 2) {  // never below the clean step's own scale
+            scale = lower(upper(times(s->clean_scale, s->growth_factor, gap / 2), old), ceiling);
         } else {
             good = s->consecutive_good_steps + 1;
             if (good >= s->growth_interval) {

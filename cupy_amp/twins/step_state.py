@@ -142,12 +142,14 @@ class HostState:
         return culprits
 
     def _finish(self, total: float, max_norm: float, overflow: bool, own: float | None = None) -> None:
-        self._checked = self._epoch
-        if self._pending is not None:
-            self._report, self._reported = self._pending, self._epoch
         grad_stats.finish(
             self.stats.memory, total, inverse_scale(self._state.scale), max_norm, self._found, overflow, own
         )
+        # Marked last, as the device writes the epochs after the numbers: an interrupt before leaves the step
+        # unchecked (NaN in its entry), never checked with the last step's norm.
+        if self._pending is not None:
+            self._report, self._reported = self._pending, self._epoch
+        self._checked = self._epoch
 
     def numerics(self, plan: Any) -> list[Numerics]:
         """Return the numerics report of the last ``check(report=True)``."""

@@ -11,7 +11,7 @@ from helpers import capture
 
 cupy = pytest.importorskip("cupy")
 
-from cupy_amp import GradScaler, SyncFreeGradScaler  # noqa: E402
+from cupy_amp import GradScaler, SyncFreeGradScaler, journal  # noqa: E402
 
 FACES = [GradScaler, SyncFreeGradScaler]
 BIG = 70_000  # float16 elements: several blocks sum the norm
@@ -83,3 +83,24 @@ def test_a_captured_step_follows_the_rule_in_every_replay() -> None:
     assert scaler.journal().tobytes() == reference.journal().tobytes()
     assert scaler.checkpoint().to_bytes() == reference.checkpoint().to_bytes()
     assert len({float(scale) for scale in reference.journal()["scale"]}) > 3  # the rule did move the scale
+
+
+@pytest.mark.parametrize("face", FACES, ids=lambda face: face.__name__)
+def test_subnormal_scales_follow_the_rule_as_on_the_host(face: type) -> None:
+    # Without a floor the descent reaches 2**-128 + 2**-149, a float32 subnormal, and the rule's memory holds
+    # such scales: a zero test in float32 under -ftz would take them for "none" and climb instead.
+    def subnormal_run(xp: Any) -> tuple[bytes, bytes]:
+        scaler = face(init_scale=2.0**-100, min_scale=None, max_scale=None, growth_interval=2, rule="headroom")
+        for step in range(24):
+            scaler.scale_loss(xp.ones((), xp.float32))
+            grad = xp.full(4, 0.5, xp.float32)
+            if step < 8 or step in (12, 13, 17):
+                grad[1] = xp.inf
+            scaler.check([grad], max_norm=1.0)
+            scaler.update()
+        return scaler.checkpoint().to_bytes(), scaler.journal().tobytes()
+
+    host = subnormal_run(np)
+    assert subnormal_run(cupy) == host
+    scales = np.frombuffer(host[1], dtype=journal.ENTRY)["scale"]
+    assert scales.min() < np.finfo(np.float32).tiny  # the run did reach subnormal scales

@@ -197,3 +197,23 @@ def test_a_fixed_scale_has_no_ceiling_floor_or_growth_to_blame(tmp_path: Path) -
     assert kinds(path) == {"healthy"}
     guard = train(tmp_path / "guard.ckpt", lambda step: set(), 300, init_scale=1.0, min_scale=1.0, max_scale=1.0)
     assert kinds(guard) == {"healthy"}
+
+
+def test_gradients_of_zeros_only_are_an_underflow_risk_that_json_can_carry(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Every element 0: the largest |g| is 0 (no headroom ratio to give); steps reporting no elements at all
+    # (NaN fractions) in between are left out, not allowed to hide the finding.
+    scaler = GradScaler(init_scale=1.0, growth_interval=2000)
+    for step in range(8):
+        scaler.scale_loss(np.ones((), np.float32))
+        grads = [np.zeros(8, np.float16)] if step % 2 else [np.zeros(0, np.float16)]
+        scaler.check(grads, max_norm=1.0, report=True)
+        scaler.update()
+    path = tmp_path / "zeros.ckpt"
+    scaler.checkpoint().save(path)
+    assert kinds(path) == {"underflow risk"}
+    assert main(["doctor", "--json", str(path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["evidence"]["headroom"] is None and row["evidence"]["steps"] == [2, 4, 6, 8]
+    assert "was 0, far below" in row["summary"] and "gradient" not in row["summary"].split("|g|")[1][:30]

@@ -4,7 +4,9 @@ two faces following it together on a simulated run whose ceiling is known."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
 from typing import Any
 
 import numpy as np
@@ -12,7 +14,7 @@ import pytest
 from helpers import GRAD_SCALER, SYNC_FREE, Face
 
 from cupy_amp import GradScaler, GradScalerCheckpoint, SyncFreeGradScaler, journal
-from cupy_amp.errors import CheckpointFieldError, ConfigError
+from cupy_amp.errors import CheckpointFieldError, ConfigError, ScalerProtocolError
 from cupy_amp.rule import FLOAT32_MAX, ScalerConfig, ScalerState, initial_state, next_state
 
 HEADROOM = ScalerConfig(growth_interval=3, min_scale=1.0, max_scale=None, rule="headroom")
@@ -226,3 +228,59 @@ def test_ranks_with_sharded_gradients_move_their_scales_together(face: Face) -> 
         journal1["agreed"].tolist(),
     )
     assert (journal0["amax"] == 0.25).all() and not np.isnan(journal1["amax"]).any()  # each rank's own report
+
+
+def test_every_result_stays_inside_the_clamps_and_a_clean_step_never_lowers_the_scale() -> None:
+    # States no run of these configurations reaches (the checkpoint refuses them, below), made by hand: the
+    # rule still clamps. An overflow whose probe falls below min_scale stops at min_scale; a clean step whose
+    # probe falls below its own scale keeps its scale.
+    config = ScalerConfig(min_scale=2048.0, max_scale=None, rule="headroom")
+    known = ScalerState(scale=2.0**16, consecutive_good_steps=0, hysteresis_tracker=1, clean_scale=2.0**4)
+    assert next_state(config, known, True).scale == 2048.0
+    above = ScalerState(
+        scale=2.0**16, consecutive_good_steps=0, hysteresis_tracker=1, overflow_scale=2.0**14, clean_scale=2.0**4
+    )
+    after = next_state(config, above, False)
+    assert after.scale == 2.0**16 and after.growths == 0
+
+
+@pytest.mark.parametrize(
+    ("memory", "message"),
+    [
+        ({"clean_scale": float(np.float32(1e-45))}, "Invalid 'clean_scale': expected a float32 value from 2**-128"),
+        ({"clean_scale": 0.5}, "Invalid 'clean_scale': expected a value >= min_scale (1.0)"),
+        ({"overflow_scale": 2.0**30}, "Invalid 'overflow_scale': expected a value <= max_scale (16777216.0)"),
+        ({"overflow_scale": 2.0**10, "clean_scale": 2.0**10}, "Invalid 'clean_scale': expected a value below"),
+    ],
+)
+def test_a_checkpoint_whose_memory_no_run_reaches_is_refused(memory: dict[str, float], message: str) -> None:
+    fields = GradScaler(rule="headroom").checkpoint().to_dict()
+    with pytest.raises(CheckpointFieldError, match=re.escape(message)):
+        GradScalerCheckpoint.from_dict({**fields, **memory})
+
+
+def test_a_check_interrupted_at_any_line_never_journals_the_last_steps_norm() -> None:
+    # The NumPy record is marked checked after its numbers are written (as the device's epoch is): an
+    # interrupt in between leaves the step unchecked, not checked with the previous step's norm.
+    from interrupts import interrupted
+
+    k, reached = 1, True
+    while reached:
+        scaler = GradScaler(init_scale=4.0, rule="headroom")
+        scaler.scale_loss(np.ones((), np.float32))
+        first = float(scaler.check([np.full(4, 8.0, np.float32)], max_norm=1.0).norm)
+        scaler.update()
+        scaler.scale_loss(np.ones((), np.float32))
+        second = functools.partial(scaler.check, [np.full(4, 2.0, np.float32)], max_norm=1.0, report=True)
+        reached = interrupted(second, k)
+        try:
+            scaler.update()
+        except ScalerProtocolError:  # interrupted before the check's gradients were taken: check again
+            second()
+            scaler.update()
+        (_, entry) = scaler.journal()
+        # The scale is 64 here (4, then a climb of 16x): this check's norm is sqrt(4) * 2 / 64.
+        assert entry["norm"] != first and (np.isnan(entry["norm"]) or entry["norm"] == 0.0625), f"line {k}"
+        assert np.isnan(entry["amax"]) or entry["amax"] == 2.0, f"line {k}"  # the gradients as they are
+        k += 1
+    assert k > 20
