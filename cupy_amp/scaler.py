@@ -395,12 +395,12 @@ class GradScaler(Face):
             return
         before, verdict, journals = self._unsure
         mirror = self._mirror  # replaced last: if it was, the states were already changed whole
-        if mirror is before:  # the rule is retried on the step as it was
+        if mirror is before:  # the rule may run again (a retried update()) on the step as it was
             self._scaling.restore(mirror.config, mirror.state, *verdict, reopen=True)
+            # Its journal entry needs the culprits, which the device's folded begin may have cleared.
+            self._scaling.keep_culprits(*self._step.culprit_summary())
         else:
             self._scaling.restore(mirror.config, mirror.state, *self._scaling.verdict)
-        if mirror is before:  # the rule may run again (a retried update()): its journal entry needs the culprits
-            self._scaling.keep_culprits(*self._step.culprit_summary())  # the device's may have been begun over
         if journals is not None:
             self._scaling.load_journal(journals[0] if mirror is before else journals[1])
         self._unsure = None
