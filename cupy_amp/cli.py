@@ -119,14 +119,15 @@ def _parser() -> argparse.ArgumentParser:
         help="say what a checkpoint's step journal shows",
         description="Read the step journal a scaler checkpoint holds and say, in plain words with the evidence "
         "(steps, gradient names, scales), what it shows: a gradient that is inf/nan whatever the scale, a skip "
-        "rate above 5%%, a max_scale that holds the scale down, growth blocked by hysteresis, or a healthy run.",
+        "rate above 5%%, a max_scale that holds the scale down, growth blocked by hysteresis, a scale at its floor, "
+        "underflow risk (from check(report=True) steps), or a healthy run.",
     )
     doctor.add_argument("file", metavar="FILE", help="a scaler checkpoint (GradScalerCheckpoint.save())")
     doctor.add_argument("--json", action="store_true", help="print the findings as a JSON list")
     doctor.add_argument(
         "--plot",
         metavar="FILE",
-        help="also draw the journal (scale, skips, growths, backoffs, norm) into FILE "
+        help="also draw the journal (scale, skips, growths, backoffs, headroom, norm) into FILE "
         '(png, pdf, svg...; needs matplotlib: pip install "cupy-amp[demo]")',
     )
     doctor.set_defaults(command=_doctor)

@@ -10,6 +10,7 @@ from typing import Any
 import msgpack
 import numpy as np
 from hypothesis import strategies as st
+from reference_model import PYTORCH_RULE_FIELDS
 
 from cupy_amp.checkpoint import (
     FORMAT_NAME,
@@ -66,14 +67,7 @@ GOLDEN_V1_PAYLOAD: dict[str, Any] = {
 
 
 # PyTorch's rule, whose memory of the headroom rule's is all 0: what version 3 upgrades version 2 with.
-GOLDEN_PYTORCH_RULE: dict[str, Any] = {
-    "rule": "pytorch",
-    "overflow_scale": 0.0,
-    "overflow_norm": 0.0,
-    "clean_scale": 0.0,
-    "clean_norm": 0.0,
-    "overflows_in_row": 0,
-}
+GOLDEN_PYTORCH_RULE: dict[str, Any] = dict(PYTORCH_RULE_FIELDS)
 
 # What grad_scaler_v1.ckpt reads as today: the version-1 payload upgraded to
 # version 2 (found_overflow_local = found_overflow, remote_skipped_steps = 0),
