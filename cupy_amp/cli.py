@@ -119,7 +119,7 @@ def _parser() -> argparse.ArgumentParser:
         help="say what a checkpoint's step journal shows",
         description="Read the step journal a scaler checkpoint holds and say, in plain words with the evidence "
         "(steps, gradient names, scales), what it shows: a gradient that is inf/nan whatever the scale, a skip "
-        "rate above 5%%, a max_scale that holds the scale down, growth blocked by hysteresis, a scale at its floor, "
+        "rate above 5%, a max_scale that holds the scale down, growth blocked by hysteresis, a scale at its floor, "
         "underflow risk (from check(report=True) steps), or a healthy run.",
     )
     doctor.add_argument("file", metavar="FILE", help="a scaler checkpoint (GradScalerCheckpoint.save())")
