@@ -54,7 +54,8 @@ class NumericsSource(NamedTuple):
 class Face:
     """The calls :class:`~cupy_amp.GradScaler` and :class:`~cupy_amp.SyncFreeGradScaler` share word for word.
 
-    Each face sets ``_step``, ``_communicator`` and ``_cache`` and supplies the hooks below; what differs
+    Each face sets ``_step``, ``_communicator``, ``_cache`` and ``_scaling`` (the states whose records, verdict
+    and journal the scaler reports) and supplies the hooks below; what differs
     between them is where the verdict is read (the synchronous face reads it after each call) and what the
     host keeps.
     """
@@ -64,6 +65,7 @@ class Face:
     _step: Step
     _communicator: Communicator | None
     _cache: CallCache
+    _scaling: StateSet
 
     def __init__(self, init_scale: float, *, min_scale: float | None, max_scale: float | None) -> None:
         raise NotImplementedError  # each face has its own; declared for guard()
@@ -126,7 +128,7 @@ class Face:
             return self._names()
 
     def _names(self) -> tuple[tuple[str, ...], ...]:
-        records = self._step.records
+        records = self._scaling.records
         return step_journal.names(record.labels for record in records) if records else self._loaded_names
 
     if not TYPE_CHECKING:  # hidden from type checkers, which would otherwise accept any attribute name
@@ -180,10 +182,9 @@ class Face:
         with self._step.lock.turn, self._step.admit():
             self._step.refuse_scale_loss()
             lane = self._lane
-            state = self._place(lane, backend, backend.location(array)[1]) if lane.counts else None
+            state = self._place(lane, backend, backend.location(array)[1])
             self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
-            if state is not None:
-                state.scale_loss(array)
+            lane.scale_loss(state, array)
 
     def abandon_step(self) -> None:
         """End a step whose backward pass failed: after ``scale_loss``, before any gradient call.

@@ -47,7 +47,7 @@ class GradientScope:
 
 def unscale_call(call: Call, state: State, scope: GradientScope) -> tuple[int, ...] | None:
     """Queue the unscale of a committed call, then (with a communicator) its vote and the verdict's combination."""
-    culprits = state.unscale(call, scope.number) if call.backend is not None else ()
+    culprits = scope.states.unscale(state, call, scope.number)
     if scope.ballot.communicator is not None:
         state.vote(scope.ballot)
         state.finish_vote(False, 0.0)

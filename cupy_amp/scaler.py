@@ -25,7 +25,7 @@ from cupy_amp.rule import (
     next_state,
 )
 from cupy_amp.state import Call, Snapshot, State
-from cupy_amp.state_set import StateSet
+from cupy_amp.state_set import GuardSet, StateSet
 from cupy_amp.step import OPEN, UNSCALED, Step
 
 __all__ = ["GradScaler"]
@@ -132,7 +132,7 @@ class GradScaler(Face):
         self._cache = CallCache()  # gradient arguments seen before, so a repeated list skips validation
         capacity = step_journal.expect_capacity(journal)
         self._scaling = StateSet(config, state, one_device=False, journal=capacity)
-        self._guard = StateSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False, counts=False)
+        self._guard = GuardSet(_GUARD, initial_state(_GUARD, 1.0), one_device=False)  # the null lane, while disabled
         # (mirror, verdict, journals) from before a change of the scaling states that has not been seen through:
         # the next use of the states sets them from the mirror first (_repair); a load's journals (the old, the
         # new) go with the mirror that was kept.
@@ -210,18 +210,17 @@ class GradScaler(Face):
 
         with self._step.lock.turn, self._step.admit(), self._step.accounting():
             lane = self._lane  # under the lock: a set_enabled() served first is the one this call sees
-            communicator = self._communicator if lane.counts else None
+            communicator = lane.unscale_collective(self._communicator)
             with self._step.gradient_call(UNSCALED, lane, communicator) as scope:
                 call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE if communicator else None)
                 state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-                for device in call.devices[1:] if lane.counts else ():
+                for device in call.devices[1:]:
                     self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
                 self._step.open_call(scope, call, state)
-                if lane.counts and len(call.devices) > 1:
+                if len(call.devices) > 1:
                     culprits = self._unscale_on_each_device(lane, call, scope)
                 else:
-                    queued = unscale_call(call, state, scope) if lane.counts else ()
-                    culprits = self._settle(lane, state, call, queued)
+                    culprits = self._settle(lane, state, call, unscale_call(call, state, scope))
                 self._step.record_call(scope, culprits)
             return not lane.verdict[0]
 
@@ -278,7 +277,7 @@ class GradScaler(Face):
                     "GradScaler.update() cannot be captured in a CUDA graph: this scaler keeps its state on the "
                     "host too, which a replay would leave behind. Capture the step with a SyncFreeGradScaler."
                 )
-            if lane.counts:  # disabled, update() only ends the step
+            if self._mirror.enabled:  # disabled, update() ends the step on the null lane, without the rule
                 self._step.require_gradients()
                 self._step.updating()
                 self._repair()
@@ -289,7 +288,7 @@ class GradScaler(Face):
                         lane.update(state, self._step.number)
                         self._mirror = mirror._replace(state=state, step=self._step.number)
             else:
-                lane.close()  # a disabled step's record says "skip" again
+                lane.update(self._mirror.state, self._step.number)  # GuardSet: its records say "skip" again
             self._step.close()
 
     def had_overflow(self) -> bool:
@@ -313,7 +312,7 @@ class GradScaler(Face):
         Empty when the step was clean. Never synchronizes the device.
         """
         self._step.refuse_if_broken()
-        return self._step.culprit_labels(lambda record: record.culprits or ())
+        return self._scaling.culprit_labels(lambda record: record.culprits or ())
 
     def set_enabled(self, enabled: bool) -> None:
         """Turn scaling on or off between steps.
@@ -366,7 +365,7 @@ class GradScaler(Face):
                 self._scaling.restore(mirror.config, mirror.state, overflow, local)
                 if journals is not None:
                     self._scaling.load_journal(journals[1])
-                self._mirror, self._step.records, self._numerics_source, self._loaded_names = (
+                self._mirror, self._scaling.records, self._numerics_source, self._loaded_names = (
                     mirror, (), None, checkpoint.journal_names,
                 )  # fmt: skip
 
@@ -398,7 +397,7 @@ class GradScaler(Face):
         if mirror is before:  # the rule may run again (a retried update()) on the step as it was
             self._scaling.restore(mirror.config, mirror.state, *verdict, reopen=True)
             # Its journal entry needs the culprits, which the device's folded begin may have cleared.
-            self._scaling.keep_culprits(*self._step.culprit_summary())
+            self._scaling.keep_culprits(*self._scaling.culprit_summary())
         else:
             self._scaling.restore(mirror.config, mirror.state, *self._scaling.verdict)
         if journals is not None:

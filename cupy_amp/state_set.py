@@ -1,18 +1,27 @@
-"""The states one scaler face keeps, one per device its arrays were on, and what a step does to all of them."""
+"""The states one scaler face keeps, one per device its arrays were on, and what a step does to all of them.
+
+:class:`StateSet` is a scaling lane: its steps scale, unscale and keep records.
+:class:`GuardSet` is the null lane of a disabled ``GradScaler``: the same calls,
+which scale nothing, unscale nothing, claim nothing and end without the rule,
+so the step machine runs one path whatever the lane.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from cupy_amp import numpy_backend
+from cupy_amp.claims import StepClaims
+from cupy_amp.distributed import Communicator
 from cupy_amp.errors import GradientTypeError, GradientValueError, ScalerProtocolError
 from cupy_amp.rule import ScalerConfig, ScalerState
-from cupy_amp.state import Backend, Snapshot, State
+from cupy_amp.state import Backend, Call, Snapshot, State
 
-__all__ = ["StateSet", "where"]
+__all__ = ["CallRecord", "GuardSet", "StateSet", "where"]
 
 
 def where(device: int) -> str:
@@ -20,19 +29,25 @@ def where(device: int) -> str:
     return "on the host" if device < 0 else f"on device {device}"
 
 
+class CallRecord(NamedTuple):
+    """One gradient call of a step, kept to answer ``nonfinite_gradients`` (it holds no array)."""
+
+    labels: tuple[Hashable, ...]  # empty for a call that failed before its arrays were known
+    plan: Any  # the call's device tables, where the per-gradient flags are
+    state: State | None  # where its verdict is
+    culprits: tuple[int, ...] | None  # positions known on the host; None: read from the state when asked
+
+
 class StateSet:
-    """The states one face keeps, by device, and what a step does to all of them.
+    """The states one face keeps, by device, what a step does to all of them, and the step's call records.
 
     Before any array arrives, a host state stands for the scaler (and takes
     calls without arrays). With ``one_device`` (the sync-free face) the first
     arrays fix where the state lives, once and for all.
     """
 
-    def __init__(
-        self, config: ScalerConfig, state: ScalerState, *, one_device: bool, counts: bool = True, journal: int = 0
-    ) -> None:
+    def __init__(self, config: ScalerConfig, state: ScalerState, *, one_device: bool, journal: int = 0) -> None:
         self.config = config
-        self.counts = counts  # False for a disabled scaler's guard: its steps change nothing the user sees
         self.one_device = one_device
         self.capacity = journal  # each state's journal: the steps it keeps
         self.default: State = numpy_backend.HostState(config, state, False, False, 0, journal)
@@ -44,6 +59,8 @@ class StateSet:
         self.verdict = (False, False)
         self.norm = math.nan  # the open step's check() norm as the host read it (the headroom rule's signal)
         self.finite = np.ones((), dtype=np.bool_)
+        # The open (or last) step's gradient calls: replaced, never changed in place, so readers need no lock.
+        self.records: tuple[CallRecord, ...] = ()
 
     def all(self) -> list[State]:
         """Every state, the default one first when no array has placed one yet."""
@@ -93,6 +110,24 @@ class StateSet:
         self._backend, self.states = backend, {**self.states, device: state}  # one commit
         return state
 
+    # What a step does through its lane: a scaling lane scales, claims and unscales; GuardSet does none of it.
+
+    def scale_loss(self, state: State, loss: Any) -> None:
+        """Multiply ``loss`` in place by ``state``'s scale (queued)."""
+        state.scale_loss(loss)
+
+    def claim(self, claims: StepClaims, call: Call) -> StepClaims:
+        """Return ``claims`` with the memory an unscale of ``call`` writes (see :meth:`StepClaims.with_call`)."""
+        return claims.with_call(call)
+
+    def unscale(self, state: State, call: Call, number: int) -> tuple[int, ...] | None:
+        """Queue the unscale of ``call`` (the step's call ``number``) on ``state``; return the culprits if known."""
+        return state.unscale(call, number) if call.backend is not None else ()
+
+    def unscale_collective(self, communicator: Communicator | None) -> Communicator | None:
+        """Return the communicator an unscale's verdict is agreed over."""
+        return communicator
+
     def begin(self) -> None:
         """Begin a step on every state: a new epoch, flags that say "finite"."""
         self.verdict = (False, False)
@@ -119,12 +154,6 @@ class StateSet:
         for state in self.all():
             state.skip_statistics()  # on the GPU: after the state's last work, on its device
 
-    def close(self) -> None:
-        """Close the step on every state without the rule (a disabled scaler's guard): its records say "skip"."""
-        for state in self.all():
-            state.stats.record.closed()
-            state.skip_statistics()
-
     def update(self, after: ScalerState, step: int) -> None:
         """Apply the rule to every state; ``after`` is the state the host computed (the step's verdict applied).
 
@@ -138,6 +167,15 @@ class StateSet:
             self.all()[0].update(step)
         else:
             self.restore(self.config, after, *self.verdict)
+
+    def culprit_summary(self) -> tuple[int, tuple[int, int] | None]:
+        """Return how many gradients the step's records hold as culprits, and the first (call, position)."""
+        first = next(((number, min(r.culprits)) for number, r in enumerate(self.records) if r.culprits), None)
+        return sum(len(record.culprits or ()) for record in self.records), first
+
+    def culprit_labels(self, read: Callable[[CallRecord], tuple[int, ...]]) -> list[Hashable]:
+        """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
+        return [record.labels[position] for record in self.records for position in read(record)]
 
     def capturing(self) -> bool:
         """Return whether any state's device is capturing a CUDA graph on its current stream."""
@@ -168,3 +206,36 @@ class StateSet:
         self.config = config
         self.verdict = (overflow, local)
         self.finite[()] = not overflow
+
+
+class GuardSet(StateSet):
+    """The null lane of a disabled ``GradScaler``: scale 1 for good, and steps that change nothing the user sees.
+
+    A loss is not multiplied, gradients are neither unscaled nor claimed (the
+    same gradients may come twice), an unscale joins no collective (it ran
+    nothing to agree on), and a step ends without the rule, its statistics
+    records saying "skip". ``check()`` still computes its statistics here,
+    with inverse scale 1. Its call records are its own: the scaler goes on
+    reporting the last enabled step's.
+    """
+
+    def scale_loss(self, state: State, loss: Any) -> None:
+        """Leave the loss as it is."""
+
+    def claim(self, claims: StepClaims, call: Call) -> StepClaims:
+        """Claim nothing: nothing is written."""
+        return claims
+
+    def unscale(self, state: State, call: Call, number: int) -> tuple[int, ...] | None:
+        """Unscale nothing; no gradient is known to hold inf/nan."""
+        return ()
+
+    def unscale_collective(self, communicator: Communicator | None) -> Communicator | None:
+        """None: an unscale that ran nothing has nothing to agree on."""
+        return None
+
+    def update(self, after: ScalerState, step: int) -> None:
+        """End the step on every state without the rule: their statistics records say "skip"."""
+        for state in self.all():
+            state.stats.record.closed()
+            state.skip_statistics()

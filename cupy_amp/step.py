@@ -11,7 +11,7 @@ drives it and wherever its state lives:
   :func:`scale_fixed_at_one`);
 - the lock that serializes a scaler's calls, and the refusal of a call made
   from inside one of its own calls;
-- the step's claims on gradient memory and its per-call records;
+- the step's claims on gradient memory, and its per-call records (kept in the lane the step runs on);
 - the rule that a call which fails after it may have written counts as an overflow;
 - exactly one join of the collective per call (:class:`Ballot`).
 
@@ -23,8 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Hashable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -50,7 +49,7 @@ from cupy_amp.errors import (
 from cupy_amp.gradient_call import GradientScope
 from cupy_amp.rule import ScalerConfig
 from cupy_amp.state import Call, State
-from cupy_amp.state_set import StateSet
+from cupy_amp.state_set import CallRecord, StateSet
 
 __all__ = ["IDLE", "INSPECTED", "OPEN", "SCALED", "UNSCALED", "UPDATING", "CallRecord", "Step", "scale_fixed_at_one"]
 
@@ -66,15 +65,6 @@ _STEP = (
 )
 
 
-class CallRecord(NamedTuple):
-    """One gradient call of a step, kept to answer ``nonfinite_gradients`` (it holds no array)."""
-
-    labels: tuple[Hashable, ...]  # empty for a call that failed before its arrays were known
-    plan: Any  # the call's device tables, where the per-gradient flags are
-    state: State | None  # where its verdict is
-    culprits: tuple[int, ...] | None  # positions known on the host; None: read from the state when asked
-
-
 _REENTRY = (
     "The scaler was called from inside one of its own calls (a communicator's callback, a generator passed as "
     "gradients, a signal handler); wait for the call in progress to return."
@@ -82,15 +72,14 @@ _REENTRY = (
 
 
 class Step:
-    """One scaler's step: its phase, lock, claims and records, and the rules every call follows."""
+    """One scaler's step: its phase, lock and claims, and the rules every call follows."""
 
-    __slots__ = ("_answered", "broken", "claims", "lock", "number", "phase", "poison_sender", "records")
+    __slots__ = ("_answered", "broken", "claims", "lock", "number", "phase", "poison_sender")
 
     def __init__(self) -> None:
         self.phase = IDLE
         self.number = 0  # counts the steps opened, so that an update() retried after an interrupt knows its step
         self.claims = StepClaims()
-        self.records: tuple[CallRecord, ...] = ()  # replaced, never changed in place: readers need no lock
         self.broken: RanksMayDisagreeError | None = None  # once set, every later call raises it
         self.poison_sender: threading.Thread | None = None  # the thread that sent this rank's poisoned vote
         self.lock = CallLock()  # one call at a time (see admit)
@@ -296,14 +285,14 @@ class Step:
             DuplicateGradientError: The call would unscale memory an earlier call of the step unscaled.
         """
         claims = self.claims if self.phase == UNSCALED else StepClaims()
-        if scope.phase == UNSCALED and scope.states.counts:  # a disabled scaler's guard touches nothing to claim
-            claims = claims.with_call(call)  # new claims: committed below, where a failure counts
+        if scope.phase == UNSCALED:
+            claims = scope.states.claim(claims, call)  # new claims: committed below, where a failure counts
         scope.call, scope.state, scope.opened = call, state, True
         if self.phase != scope.phase:
             self._open(scope.phase, scope.states, claims)
-        elif scope.states.counts:
+        else:
             self.claims = claims
-        scope.number = len(self.records)
+        scope.number = len(scope.states.records)
 
     def record_call(self, scope: GradientScope, culprits: tuple[int, ...] | None) -> None:
         """Keep the call's record (its labels, tables, state and culprits): the call's commit, made once.
@@ -311,9 +300,10 @@ class Step:
         From here a failure before the call returns is a lost result (:meth:`call` accounts for it).
         """
         scope.culprits = culprits
-        if scope.states.counts and scope.call is not None and not scope.recorded:
+        states = scope.states
+        if scope.call is not None and not scope.recorded:
             record = CallRecord(scope.call.labels, scope.call.plan, scope.state, culprits)
-            self.records, scope.recorded = (*self.records, record), True  # one statement: kept once
+            states.records, scope.recorded = (*states.records, record), True  # one statement: kept once
         scope.recorded = True
         if scope.ballot.stage == JOINED:
             self._answered = scope
@@ -405,8 +395,7 @@ class Step:
         """Open the gradient part of the step: forget the last step's verdict; the phase changes last."""
         self.number += 1  # first: a step whose opening failed part way is still a new step
         states.begin()
-        if states.counts:  # a disabled scaler's guard keeps the last step's records
-            self.records, self.claims = (), claims
+        states.records, self.claims = (), claims
         self.phase = phase
 
     def _fail(self, scope: GradientScope) -> None:
@@ -426,20 +415,15 @@ class Step:
                 if self.phase != scope.phase:
                     self._open(scope.phase, scope.states, StepClaims())
         finally:
+            states = scope.states
             if self.phase != scope.phase:  # in one statement, as _open would (a number may be skipped)
-                fresh = scope.states.counts  # a disabled scaler's guard keeps the last step's records
-                self.number, self.phase, self.records, self.claims = (
-                    self.number + 1,
-                    scope.phase,
-                    () if fresh else self.records,
-                    StepClaims() if fresh else self.claims,
-                )
+                self.number, self.phase, states.records, self.claims = self.number + 1, scope.phase, (), StepClaims()
             try:
-                if scope.states.counts and not scope.recorded:
+                if not scope.recorded:
                     call = scope.call
                     labels, plan = (call.labels, call.plan) if call is not None else ((), None)
                     record = CallRecord(labels, plan, scope.state, scope.culprits)
-                    self.records, scope.recorded = (*self.records, record), True  # one statement: kept once
+                    states.records, scope.recorded = (*states.records, record), True  # one statement: kept once
                 scope.states.mark_overflow(scope.state)
             finally:
                 if scope.phase == INSPECTED:
@@ -453,15 +437,6 @@ class Step:
         """End the step (after ``update()`` applied the rule), in one assignment."""
         empty = StepClaims()
         self.claims, self.phase = empty, IDLE
-
-    def culprit_summary(self) -> tuple[int, tuple[int, int] | None]:
-        """Return how many gradients the step's records hold as culprits, and the first (call, position)."""
-        first = next(((number, min(r.culprits)) for number, r in enumerate(self.records) if r.culprits), None)
-        return sum(len(record.culprits or ()) for record in self.records), first
-
-    def culprit_labels(self, read: Callable[[CallRecord], tuple[int, ...]]) -> list[Hashable]:
-        """Return the labels of the gradients that held inf/nan, call by call (``read`` gives a record's positions)."""
-        return [record.labels[position] for record in self.records for position in read(record)]
 
 
 def scale_fixed_at_one(config: ScalerConfig) -> bool:

@@ -17,8 +17,8 @@ from cupy_amp.gradient_call import unscale_call
 from cupy_amp.gradients import CallCache, GradientSet, parse_gradients
 from cupy_amp.rule import PYTORCH, GradScalerStats, ScalerConfig, ScalerState, initial_state
 from cupy_amp.state import Snapshot, State
-from cupy_amp.state_set import StateSet, where
-from cupy_amp.step import OPEN, UNSCALED, CallRecord, Step
+from cupy_amp.state_set import CallRecord, StateSet, where
+from cupy_amp.step import OPEN, UNSCALED, Step
 
 __all__ = ["SyncFreeGradScaler"]
 
@@ -70,7 +70,7 @@ class SyncFreeGradScaler(Face):
     ) -> None:
         config = ScalerConfig(growth_factor, backoff_factor, growth_interval, min_scale, max_scale, hysteresis, rule)
         capacity = step_journal.expect_capacity(journal)
-        self._states = StateSet(config, initial_state(config, init_scale), one_device=True, journal=capacity)
+        self._scaling = StateSet(config, initial_state(config, init_scale), one_device=True, journal=capacity)
         self._communicator: Communicator | None = communicator_for(comm)
         self._step = Step()
         self._cache = CallCache()
@@ -78,7 +78,7 @@ class SyncFreeGradScaler(Face):
     @property
     def config(self) -> ScalerConfig:
         """The immutable configuration (never synchronizes)."""
-        return self._states.config
+        return self._scaling.config
 
     def prepare(self, gradients: Any) -> GradientSet:
         """Place the state beside ``gradients``, load every kernel, and return them as a :class:`GradientSet`.
@@ -94,16 +94,16 @@ class SyncFreeGradScaler(Face):
         with self._step.lock.turn, self._step.admit():
             call = parse_gradients(gradient_set, one_device=_ONE_DEVICE, in_place=False)  # for check() too
             if call.backend is not None:
-                self._place(self._states, call.backend, call.devices[0]).prepare(call)
+                self._place(self._scaling, call.backend, call.devices[0]).prepare(call)
         return gradient_set
 
     @property
     def _state(self) -> State:
-        return self._states.all()[0]
+        return self._scaling.all()[0]
 
     @property
     def _lane(self) -> StateSet:
-        return self._states
+        return self._scaling
 
     def _place(self, lane: StateSet, backend: Any, device: int) -> State:
         step_open = self._step.phase in OPEN
@@ -149,9 +149,9 @@ class SyncFreeGradScaler(Face):
         """
 
         with self._step.lock.turn, self._step.admit(), self._step.accounting():
-            with self._step.gradient_call(UNSCALED, self._states, self._communicator) as scope:
+            with self._step.gradient_call(UNSCALED, self._scaling, self._communicator) as scope:
                 call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE)
-                state = self._place(self._states, call.backend, call.devices[0] if call.devices else -1)
+                state = self._place(self._scaling, call.backend, call.devices[0] if call.devices else -1)
                 self._step.open_call(scope, call, state)
                 self._step.record_call(scope, unscale_call(call, state, scope))
             return state.finite
@@ -204,7 +204,7 @@ class SyncFreeGradScaler(Face):
                 return record.culprits or ()
             return record.state.culprits(record.plan, epoch)
 
-        return self._step.culprit_labels(read)
+        return self._scaling.culprit_labels(read)
 
     def stats(self) -> GradScalerStats:
         """Return a snapshot of the scale and counters (synchronizes)."""
@@ -216,7 +216,7 @@ class SyncFreeGradScaler(Face):
         return self.config, state, True, overflow, local
 
     def _journaled(self) -> StateSet:
-        return self._states
+        return self._scaling
 
     def load_checkpoint(self, checkpoint: GradScalerCheckpoint) -> None:
         """Replace the whole state and configuration with a checkpoint's, in place (synchronizes).
@@ -238,18 +238,18 @@ class SyncFreeGradScaler(Face):
         with self._step.lock.turn, self._step.admit():
             self._step.require_idle("load_checkpoint() cannot replace the state")
             config, (state, overflow, local, *_) = self.config, self._state.snapshot()
-            entries, names = self._states.journal(), (self._step.records, self._numerics_source, self._loaded_names)
+            entries, names = self._scaling.journal(), (self._scaling.records, self._numerics_source, self._loaded_names)
             try:
-                self._states.restore(
+                self._scaling.restore(
                     checkpoint.config(), checkpoint.state(), checkpoint.found_overflow, checkpoint.found_overflow_local
                 )
-                self._states.load_journal(checkpoint.journal_entries())
+                self._scaling.load_journal(checkpoint.journal_entries())
                 # The loaded state's last step is not the one reported; its names are the checkpoint's.
-                self._step.records, self._numerics_source, self._loaded_names = (), None, checkpoint.journal_names
+                self._scaling.records, self._numerics_source, self._loaded_names = (), None, checkpoint.journal_names
             except BaseException:  # a load that failed part way leaves the state it found
-                self._states.restore(config, state, overflow, local)
-                self._states.load_journal(entries)
-                self._step.records, self._numerics_source, self._loaded_names = names
+                self._scaling.restore(config, state, overflow, local)
+                self._scaling.load_journal(entries)
+                self._scaling.records, self._numerics_source, self._loaded_names = names
                 raise
 
     def __repr__(self) -> str:

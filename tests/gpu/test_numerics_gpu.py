@@ -114,7 +114,7 @@ def test_warps_that_walk_many_chunks_report_and_sum_as_numpy(
     for _ in range(3):
         norms.append(cupy.asnumpy(open_step(on_gpu, cupy).check(device, max_norm=1.0).norm).tobytes())
         on_gpu.update()
-    lanes = on_gpu._scaling if face is GradScaler else on_gpu._states
+    lanes = on_gpu._scaling
     assert [state.stats._grid for state in lanes.states.values()] == [1]  # the patched grid was used
     assert len(set(norms)) == 1
     norm = float(np.frombuffer(norms[0], np.float32)[0])

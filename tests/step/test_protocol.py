@@ -6,6 +6,7 @@ the tests of a disabled scaler and of ``set_enabled`` are GradScaler's only.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import sys
 import types
@@ -541,6 +542,25 @@ def test_disabled_unscale_and_check_touches_nothing() -> None:
     scaler.set_enabled(True)
     with pytest.raises(ScalerProtocolError):
         scaler.update()  # nothing was recorded while disabled
+
+
+def test_disabled_steps_leave_the_last_enabled_steps_report() -> None:
+    # Disabled steps run on the null lane, whose records are its own: a disabled step with inf/nan
+    # (unscale_and_check or check) changes nothing the scaler reports of the last enabled step.
+    scaler, grads = grads_with_history()
+    scaler.scale_loss(np.ones((), np.float32))
+    scaler.unscale_and_check({"w": np.ones(2, np.float32), "b": np.array([np.nan], np.float32)})
+    scaler.update()
+    reported = (scaler.nonfinite_gradients(), scaler.had_overflow(), scaler.journal_names(), scaler.stats())
+    assert reported[:3] == (["b"], True, (("w", "b"),))
+    scaler.set_enabled(False)
+    assert scaler.unscale_and_check(grads) is True
+    assert scaler.unscale_and_check(grads) is True  # nothing claimed: the same gradients may come again
+    scaler.update()
+    assert bool(scaler.check([np.array([np.inf], np.float32)]).finite) is False  # the optimizer would skip
+    scaler.update()
+    now = (scaler.nonfinite_gradients(), scaler.had_overflow(), scaler.journal_names(), scaler.stats())
+    assert now == (*reported[:3], dataclasses.replace(reported[3], enabled=False))
 
 
 # update()
