@@ -34,10 +34,9 @@ from cupy_amp.rule import (
     PYTORCH,
     ScalerConfig,
     ScalerState,
-    expect_bool,
-    expect_int,
     expect_scale,
 )
+from cupy_amp.validation import expect_bool, expect_int
 
 __all__ = [
     "FILE_PREFIX",

@@ -14,11 +14,12 @@ from cupy_amp.errors import ArgumentTypeError, ConfigError, ScalerProtocolError
 from cupy_amp.gradient_call import check_call
 from cupy_amp.gradients import CallCache, parse_gradients, parse_loss
 from cupy_amp.record import GradientStats
-from cupy_amp.rule import ScalerConfig, ScalerState, expect_bool
+from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Call, State
 from cupy_amp.state_set import StateSet
 from cupy_amp.statistics import GradientNumerics, expect_max_norm
 from cupy_amp.step import IDLE, INSPECTED, Step
+from cupy_amp.validation import expect_bool
 
 __all__ = ["Face", "NumericsSource"]
 

@@ -4,8 +4,7 @@ Nothing here touches arrays or devices. :class:`ScalerConfig` and
 :class:`ScalerState` are frozen; :func:`next_state` is a pure function of the
 config, the previous state and whether the step overflowed. The field
 validators shared with the checkpoint live here too, so that every value the
-scaler can hold is checked by the same code, with messages of one shape:
-``Invalid 'name': expected <what>, got <value>.`` :func:`power_of_two` writes
+scaler can hold is checked by the same code (over :mod:`cupy_amp.validation`). :func:`power_of_two` writes
 a scale for people (the CLI's and the demo's output).
 """
 
@@ -13,27 +12,23 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from dataclasses import asdict, dataclass
 from typing import cast
 
 import numpy as np
 
 from cupy_amp.errors import ConfigError
+from cupy_amp.validation import INT_MAX, as_real_float, expect_float, expect_int, invalid, is_real
 
 __all__ = [
     "FLOAT32_MAX",
     "HEADROOM",
-    "INT_MAX",
     "PYTORCH",
     "RULES",
     "SMALLEST_SCALE",
     "GradScalerStats",
     "ScalerConfig",
     "ScalerState",
-    "expect_bool",
-    "expect_float",
-    "expect_int",
     "expect_scale",
     "headroom_state",
     "initial_state",
@@ -50,8 +45,6 @@ RULES = (PYTORCH, HEADROOM)
 # The smallest float32 whose float32 inverse is finite (2**-128 + 2**-149): below it the
 # inverse is inf and unscaling would turn finite gradients into inf/nan.
 SMALLEST_SCALE = float.fromhex("0x1.000008p-128")
-# The largest integer a checkpoint can store (msgpack's uint64): every integer field is at most this.
-INT_MAX = 2**64 - 1
 # The smallest magnitude that rounds to infinity in float32 (halfway past the largest finite value).
 _FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
 
@@ -70,52 +63,6 @@ def inverse_scale(scale: float) -> np.float32:
     return cast(np.float32, np.float32(1.0 / scale))
 
 
-def _invalid(error: type[Exception], name: str, expected: str, got: object) -> Exception:
-    return error(f"Invalid {name!r}: expected {expected}, got {got!r}.")
-
-
-def _is_real(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
-
-
-def _as_float(value: numbers.Real) -> float:
-    # An int (or Fraction) too large for a float64 is out of every range: treat it as inf.
-    try:
-        return float(value)
-    except OverflowError:
-        return -math.inf if value < 0 else math.inf
-
-
-def expect_bool(error: type[Exception], name: str, value: object) -> bool:
-    """Return ``value`` if it is a bool (``np.bool_`` included); ints are refused."""
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise _invalid(error, name, "a bool", value)
-
-
-def expect_int(error: type[Exception], name: str, value: object, minimum: int) -> int:
-    """Return ``value`` as an int if it is an integer (not a bool) in ``[minimum, INT_MAX]``."""
-    expected = f"an int >= {minimum}"
-    if isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_)):
-        as_int = int(value)
-        if minimum <= as_int <= INT_MAX:
-            return as_int
-        if as_int > INT_MAX:
-            expected += " that a checkpoint can store (< 2**64)"
-    raise _invalid(error, name, expected, value)
-
-
-def expect_float(
-    error: type[Exception], name: str, value: object, *, above: float, below: float | None = None
-) -> float:
-    """Return ``value`` as a finite float strictly between ``above`` and ``below``."""
-    expected = f"a finite float > {above:g}" + ("" if below is None else f" and < {below:g}")
-    as_float = _as_float(value) if _is_real(value) else math.nan  # type: ignore[arg-type]
-    if not (math.isfinite(as_float) and as_float > above and (below is None or as_float < below)):
-        raise _invalid(error, name, expected, value)
-    return as_float
-
-
 def expect_scale(error: type[Exception], name: str, value: object) -> float:
     """Return ``value`` rounded to float32, refusing what the scaler cannot use as a scale.
 
@@ -124,10 +71,10 @@ def expect_scale(error: type[Exception], name: str, value: object) -> float:
     unscaling would turn finite gradients into inf/nan.
     """
     expected = f"a float32 value from 2**-128 + 2**-149 (about {SMALLEST_SCALE:.4g}) to {FLOAT32_MAX:.6g}"
-    as_float = _as_float(value) if _is_real(value) else math.nan  # type: ignore[arg-type]
+    as_float = as_real_float(value) if is_real(value) else math.nan  # type: ignore[arg-type]
     rounded = to_float32(as_float) if math.isfinite(as_float) else math.nan
     if not SMALLEST_SCALE <= rounded <= FLOAT32_MAX:
-        raise _invalid(error, name, expected, value)
+        raise invalid(error, name, expected, value)
     return rounded
 
 

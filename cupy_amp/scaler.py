@@ -20,13 +20,13 @@ from cupy_amp.rule import (
     GradScalerStats,
     ScalerConfig,
     ScalerState,
-    expect_bool,
     initial_state,
     next_state,
 )
 from cupy_amp.state import Call, Snapshot, State
 from cupy_amp.state_set import GuardSet, StateSet
 from cupy_amp.step import OPEN, UNSCALED, Step
+from cupy_amp.validation import expect_bool
 
 __all__ = ["GradScaler"]
 

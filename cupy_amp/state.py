@@ -2,7 +2,7 @@
 the validated call (:class:`Call`, its arrays' :class:`Footprint`) they run.
 
 Two implementations follow :class:`State`: :class:`cupy_amp.twins.step_state.HostState`
-(NumPy, the reference numerics) and :class:`cupy_amp.gpu.backend.DeviceState`
+(NumPy, the reference numerics) and :class:`cupy_amp.gpu.device_state.DeviceState`
 (the scale, counters and flags in device memory, stepped by kernels). Every
 operation but :meth:`State.read`, :meth:`State.snapshot`, :meth:`State.restore`
 and :meth:`State.culprits` queues its work and returns without waiting. The two

@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from cupy_amp.errors import ConfigError
-from cupy_amp.rule import _is_real
+from cupy_amp.validation import is_real
 
 __all__ = ["GradientNumerics", "expect_max_norm"]
 
@@ -45,7 +45,7 @@ def expect_max_norm(max_norm: object) -> float:
     if max_norm is None:
         return 0.0
     try:
-        value = float(max_norm) if _is_real(max_norm) else math.nan  # type: ignore[arg-type]
+        value = float(max_norm) if is_real(max_norm) else math.nan  # type: ignore[arg-type]
     except OverflowError:  # an int beyond float64
         value = math.nan
     if not _FLOAT32_TINY <= value <= _FLOAT32_MAX:

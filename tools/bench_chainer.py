@@ -82,7 +82,7 @@ def counting_reads(setting: str, xp: Any) -> Iterator[list[int]]:
     if setting.startswith("cupy-amp"):
         patched.append((HostState, "read", HostState.read))
         if xp is not np:
-            from cupy_amp.gpu.backend import DeviceState
+            from cupy_amp.gpu.device_state import DeviceState
 
             patched.append((DeviceState, "read", DeviceState.read))
     else:

@@ -33,6 +33,7 @@ import numpy as np
 
 from cupy_amp import GradientSet, GradScaler, kernel_interface
 from cupy_amp.gpu import backend as cupy_backend
+from cupy_amp.gpu.device_state import DeviceState
 from cupy_amp.rule import ScalerConfig, ScalerState
 
 INV_SCALES = (np.float32(2.0**-16), np.float32(2.0**16))
@@ -221,7 +222,7 @@ def our_timers(grads: list[cupy.ndarray], step: bool) -> dict[str, Callable[[int
     # The kernel reads the factor and epoch from a scaler state in device memory (both scalers' launch).
     config = ScalerConfig(min_scale=None, max_scale=None)
     states = [
-        cupy_backend.DeviceState(cupy.cuda.Device().id, config, ScalerState(scale, 0, 1), False, False, 0)
+        DeviceState(cupy.cuda.Device().id, config, ScalerState(scale, 0, 1), False, False, 0)
         for scale in (2.0**16, 2.0**-16)
     ]
     call_of_plan = SimpleNamespace(plan=plan)

@@ -1,7 +1,8 @@
 """The door to CuPy: the only package of the library that imports it (the demo, an application, has its own).
 
-- :mod:`~cupy_amp.gpu.backend`: the scalers' state in device memory (``DeviceState``) and the unscale and
-  loss-scale launches;
+- :mod:`~cupy_amp.gpu.backend`: what the scalers ask of CuPy arrays (validation, placement, capture);
+- :mod:`~cupy_amp.gpu.device_state`: the scalers' state in device memory (``DeviceState``) and the launches
+  that step it (loss scale, unscale, vote, rule);
 - :mod:`~cupy_amp.gpu.stats`: the statistics record of ``check()`` and its launches;
 - :mod:`~cupy_amp.gpu.tables`: the multi-tensor tables of gradients and parameters;
 - :mod:`~cupy_amp.gpu.launch`: compiling the kernels of ``kernels/`` once per device, launching them, stream

@@ -26,7 +26,7 @@ __all__ = ["HostState"]
 
 
 class HostState:
-    """A scaler's state on the host: the reference for :class:`~cupy_amp.gpu.backend.DeviceState`.
+    """A scaler's state on the host: the reference for :class:`~cupy_amp.gpu.device_state.DeviceState`.
 
     The same operations with the same meaning, for NumPy arrays (and for a
     scaler that has met no array yet): ``finite`` is a 0-d bool array to gate

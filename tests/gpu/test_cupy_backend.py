@@ -22,8 +22,8 @@ from cupy_amp import (  # noqa: E402
     GradientValueError,
     GradScaler,
 )
-from cupy_amp.gpu import backend as cupy_backend  # noqa: E402
 from cupy_amp.gpu import tables as device_tables  # noqa: E402
+from cupy_amp.gpu.device_state import DeviceState  # noqa: E402
 from cupy_amp.kernel_interface import CHUNK_BYTES  # noqa: E402
 from cupy_amp.rule import ScalerState  # noqa: E402
 
@@ -544,16 +544,16 @@ def test_a_call_that_fails_while_waiting_counts_and_its_arrays_are_never_divided
 ) -> None:
     grads = [cupy.full(1000, 8.0, cupy.float32)]
     scaler = GradScaler(init_scale=4.0)
-    real = cupy_backend.DeviceState.read
+    real = DeviceState.read
 
     def lost(self: object) -> object:
         raise RuntimeError("the device went away while the kernels ran")
 
     open_step(scaler, cupy)
-    monkeypatch.setattr(cupy_backend.DeviceState, "read", lost)
+    monkeypatch.setattr(DeviceState, "read", lost)
     with pytest.raises(RuntimeError, match="went away"):
         scaler.unscale_and_check(grads)
-    monkeypatch.setattr(cupy_backend.DeviceState, "read", real)
+    monkeypatch.setattr(DeviceState, "read", real)
     with pytest.raises(DuplicateGradientError):
         scaler.unscale_and_check(grads)
     cupy.cuda.Device().synchronize()

@@ -19,7 +19,7 @@ from interrupts import interrupted
 cupy = pytest.importorskip("cupy")
 
 from cupy_amp import CommunicatorError, GradScaler, ScalerProtocolError, SyncFreeGradScaler  # noqa: E402
-from cupy_amp.gpu.backend import DeviceState  # noqa: E402
+from cupy_amp.gpu.device_state import DeviceState  # noqa: E402
 from cupy_amp.optim import SGD  # noqa: E402
 from cupy_amp.state_set import StateSet  # noqa: E402
 from cupy_amp.step import IDLE, UPDATING, Step  # noqa: E402

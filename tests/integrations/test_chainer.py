@@ -799,7 +799,7 @@ def test_one_host_read_per_step_against_chainers_one_per_parameter(monkeypatch: 
     if ON.xp is np:
         state = HostState
     else:
-        from cupy_amp.gpu.backend import DeviceState as state
+        from cupy_amp.gpu.device_state import DeviceState as state
     reads, isfinite = [0], [0]
     host_read, xp_isfinite = state.read, ON.xp.isfinite
 

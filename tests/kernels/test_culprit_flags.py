@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-cupy_backend = pytest.importorskip("cupy_amp.gpu.backend")
+device_state = pytest.importorskip("cupy_amp.gpu.device_state")
 
 
 class Flags:
@@ -38,12 +38,12 @@ def bare_state(monkeypatch: pytest.MonkeyPatch) -> Any:
         made.append(count)
         return Flags(1000 + len(made), count, np.dtype(dtype))
 
-    monkeypatch.setattr(cupy_backend.cupy, "zeros", zeros)
-    monkeypatch.setattr(cupy_backend, "_on_device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(cupy_backend, "refuse_capture", lambda what: None)
+    monkeypatch.setattr(device_state.cupy, "zeros", zeros)
+    monkeypatch.setattr(device_state, "_on_device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(device_state, "refuse_capture", lambda what: None)
 
     def new() -> Any:
-        state = object.__new__(cupy_backend.DeviceState)
+        state = object.__new__(device_state.DeviceState)
         state.device, state._culprit_flags = 0, {}
         return state
 
