@@ -24,7 +24,7 @@ import cupy_amp
 
 __all__ = ["interrupted", "saves_refused_after_real_interrupts"]
 
-PACKAGE = os.path.realpath(os.path.dirname(cupy_amp.__file__)) + os.sep
+PACKAGE = os.path.dirname(os.path.realpath(cupy_amp.__file__)) + os.sep  # the sources, past an editable install's links
 _BARE = ("try:", "else:", "finally:")
 
 

@@ -35,7 +35,6 @@ from cupy_amp import GradScaler, RanksMayDisagreeError, SyncFreeGradScaler
 from cupy_amp.optim import SGD
 from cupy_amp.step import IDLE, INSPECTED, SCALED, UNSCALED
 
-FACES = [GradScaler, SyncFreeGradScaler]
 STEPS = 3
 # The call interrupted, by the kind of step the ranks train with (each kind's own calls, and the load).
 CASES = [
@@ -46,6 +45,14 @@ CASES = [
     ("step", "step"),
     ("step", "load_checkpoint"),
 ]
+# A disabled GradScaler (its null lane) joins the collective in check() and step() only: an unscale that
+# runs nothing has nothing to agree on, so only the kinds that vote are swept for it.
+DISABLED = partial(GradScaler, enabled=False)
+SWEEPS = [
+    *(pytest.param(face, kind, target, id=f"{face.__name__}-{target}") for face in (GradScaler, SyncFreeGradScaler)
+      for kind, target in CASES),
+    *(pytest.param(DISABLED, kind, target, id=f"disabled-{target}") for kind, target in CASES if kind != "unscale"),
+]  # fmt: skip
 OVERFLOW = {"clean": None, "rank0-inf": 0, "rank1-inf": 1}  # whose gradients hold an inf in step 1
 
 
@@ -61,7 +68,7 @@ def base_gradients(rank: int, step: int, inf_rank: int | None) -> list[np.ndarra
 class Rank:
     """One rank's training loop, with rank 0's interrupt and its recovery."""
 
-    def __init__(self, face: type, world: FakeWorld, rank: int, kind: str, target: str, k: int, inf: int | None):
+    def __init__(self, face: Any, world: FakeWorld, rank: int, kind: str, target: str, k: int, inf: int | None):
         self.rank, self.kind, self.target, self.k, self.inf = rank, kind, target, k, inf
         self.scaler = face(init_scale=2.0**4, growth_interval=1, max_scale=2.0**10, comm=FakeVote(world, rank))
         self.weights = [np.zeros(3, np.float32), np.zeros(2, np.float32)]
@@ -104,7 +111,7 @@ class Rank:
                 cut, stats = self.call(step, "check", partial(scaler.check, grads), self.opened(INSPECTED))
                 if not cut:
                     self.optimizer.step(grads, stats)
-                elif not scaler.had_overflow():
+                elif scaler.stats().enabled and not scaler.had_overflow():  # disabled: the last enabled step's
                     raise AssertionError("an interrupted check() let the step apply: the stats are lost")
             else:
                 self.call(step, "step", partial(scaler.step, self.optimizer, grads), self.opened(INSPECTED))
@@ -133,11 +140,10 @@ def run_rank(ranks: list[Rank], saved: Any, world: FakeWorld, rank: int) -> dict
     return ranks[rank].run(saved)
 
 
-@pytest.mark.parametrize("face", FACES)
-@pytest.mark.parametrize(("kind", "target"), CASES, ids=[target for _, target in CASES])
+@pytest.mark.parametrize(("face", "kind", "target"), SWEEPS)
 @pytest.mark.parametrize("inf", OVERFLOW.values(), ids=OVERFLOW.keys())
 def test_two_ranks_agree_or_both_refuse_after_an_interrupt_at_any_line(
-    face: type, kind: str, target: str, inf: int | None
+    face: Any, kind: str, target: str, inf: int | None
 ) -> None:
     donor = face(init_scale=2.0**6, growth_interval=1, max_scale=2.0**10)
     saved = donor.checkpoint()
