@@ -22,7 +22,7 @@ import numpy as np
 
 import cupy_amp
 
-__all__ = ["interrupted", "saves_refused_after_real_interrupts"]
+__all__ = ["interrupted", "interrupted_twice", "saves_refused_after_real_interrupts"]
 
 PACKAGE = os.path.dirname(os.path.realpath(cupy_amp.__file__)) + os.sep  # the sources, past an editable install's links
 _BARE = ("try:", "else:", "finally:")
@@ -81,6 +81,51 @@ def interrupted(
         sys.settrace(previous)
         np.seterr(**errors)  # an interrupted `with np.errstate(...)` would leave its settings behind
     return reached
+
+
+def interrupted_twice(
+    patch: Any,
+    owner: type,
+    method: str,
+    setup: Callable[[], tuple[Any, Callable[[], object]]],
+    check: Callable[[Any, str], None],
+) -> tuple[int, int]:
+    """Interrupt a call at its k-th line, and again at the j-th line of ``owner.method`` run after it, for
+    every k and j; return (the call's lines + 1, the second interrupts that landed).
+
+    ``setup()`` returns (an object, the call); after both interrupts, ``check(object, where)`` runs with
+    ``owner.method`` as it was (the user's retry and the asserts). ``patch`` is pytest's monkeypatch. The
+    second interrupt goes on out of the call, as a real one would.
+    """
+    original = getattr(owner, method)
+    second = {"line": 0, "landed": False}
+
+    def cut(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not second["line"]:
+            return original(self, *args, **kwargs)
+        if interrupted(lambda: original(self, *args, **kwargs), second["line"]):
+            second["landed"] = True
+            raise KeyboardInterrupt
+        return None
+
+    patch.setattr(owner, method, cut)
+    k, seconds = 1, 0
+    while True:
+        second["line"] = 0
+        while True:
+            second["landed"] = False
+            subject, call = setup()
+            first_landed = interrupted(call, k)
+            if not first_landed or (second["line"] and not second["landed"]):
+                break  # past the call's last line, or past the method's (or no second call at this line)
+            seconds += bool(second["landed"])
+            with patch.context() as plain:
+                plain.setattr(owner, method, original)
+                check(subject, f"line {k}, {method} line {second['line']}")
+            second["line"] += 1
+        if not first_landed:
+            return k, seconds
+        k += 1
 
 
 def saves_refused_after_real_interrupts(save: Callable[[], object], seconds: float = 3.0) -> tuple[int, list[str]]:

@@ -9,12 +9,13 @@ optimizer on another stream had not read yet, and a garbage sum of squares from 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 from helpers import capture, open_step
-from interrupts import interrupted
+from interrupts import interrupted, interrupted_twice
 
 cupy = pytest.importorskip("cupy")
 
@@ -40,6 +41,18 @@ def device_state(scaler: Any) -> Any:
     return scaler._state
 
 
+def checked_step(face: type, bad: bool) -> Any:
+    """A scaler (scale 4, growing every clean step) whose step checked 8.0s on the GPU (one inf if ``bad``),
+    with update() still to come."""
+    scaler = face(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
+    scaler.scale_loss(cupy.ones((), cupy.float32))
+    grads = [cupy.full(3, 8.0, cupy.float32)]
+    if bad:
+        grads[0][1] = cupy.inf
+    assert bool(scaler.unscale_and_check(grads)) is not bad
+    return scaler
+
+
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
 def test_an_update_interrupted_at_any_line_applies_the_device_rule_once(face: type, bad: bool) -> None:
@@ -48,12 +61,7 @@ def test_an_update_interrupted_at_any_line_applies_the_device_rule_once(face: ty
     # it last updated makes that second launch do nothing.
     k, reached = 1, True
     while reached:
-        scaler = face(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
-        scaler.scale_loss(cupy.ones((), cupy.float32))
-        grads = [cupy.full(3, 8.0, cupy.float32)]
-        if bad:
-            grads[0][1] = cupy.inf
-        assert bool(scaler.unscale_and_check(grads)) is not bad
+        scaler = checked_step(face, bad)
         reached = interrupted(scaler.update, k)
         if scaler._step.phase != IDLE:
             scaler.update()  # the retry a user makes after an interrupted update()
@@ -100,56 +108,29 @@ def test_an_update_interrupted_again_inside_its_repair_applies_the_device_rule_o
     # update() and a second one at line j of its repair (the states set from the host mirror). The retry must
     # apply the rule once on the device too, though update()'s launch also begins the next step (its epoch
     # moves, so the rule's once-per-epoch guard cannot tell the retry; the launch's step number does).
-    original = StateSet.restore
-    second_line, second_landed = 0, False
+    expected = 2.0 if bad else 8.0
 
-    def interrupted_repair(self: StateSet, *args: Any, **kwargs: Any) -> None:
-        nonlocal second_landed
-        if second_line and interrupted(lambda: original(self, *args, **kwargs), second_line):
-            second_landed = True
-            raise KeyboardInterrupt
-        if not second_line:
-            original(self, *args, **kwargs)
+    def setup() -> tuple[Any, Callable[[], object]]:
+        scaler = checked_step(GradScaler, bad)
+        return scaler, scaler.update
 
-    monkeypatch.setattr(StateSet, "restore", interrupted_repair)
-    k, seconds, expected = 1, 0, (2.0 if bad else 8.0)
-    while True:
-        second_line = 0
-        while True:
-            second_landed = False
-            scaler = GradScaler(init_scale=4.0, growth_interval=1, max_scale=2.0**10)
-            scaler.scale_loss(cupy.ones((), cupy.float32))
-            grads = [cupy.full(3, 8.0, cupy.float32)]
-            if bad:
-                grads[0][1] = cupy.inf
-            assert bool(scaler.unscale_and_check(grads)) is not bad
-            first_landed = interrupted(scaler.update, k)
-            if not first_landed or (second_line and not second_landed):
-                break
-            where = f"update() line {k}, repair line {second_line}"
-            seconds += second_landed
-            if scaler._step.phase != IDLE:
-                with monkeypatch.context() as plain:
-                    plain.setattr(StateSet, "restore", original)
-                    if then == "another call":  # refused once update() began: it may have applied the rule
-                        more = [cupy.full(3, 8.0, cupy.float32)]
-                        if scaler._step.phase == UPDATING:
-                            with pytest.raises(ScalerProtocolError, match="did not finish"):
-                                scaler.unscale_and_check(more)
-                        else:
-                            assert bool(scaler.unscale_and_check(more)) is not bad, where
-                            assert more[0].tolist() == [2.0] * 3, f"{where}: divided by another scale"
-                    scaler.update()  # the user's retry
-            on_device = device_state(scaler).snapshot()[0]
-            assert (on_device.steps, on_device.scale) == (1, expected), f"{where}: the rule applied twice"
-            assert on_device == scaler._mirror.state, where
-            with monkeypatch.context() as plain:
-                plain.setattr(StateSet, "restore", original)
-                assert_next_steps_see_their_own_verdicts(scaler, bad, where)
-            second_line += 1
-        if not first_landed:
-            break
-        k += 1
+    def check(scaler: Any, where: str) -> None:
+        if scaler._step.phase != IDLE:
+            if then == "another call":  # refused once update() began: it may have applied the rule
+                more = [cupy.full(3, 8.0, cupy.float32)]
+                if scaler._step.phase == UPDATING:
+                    with pytest.raises(ScalerProtocolError, match="did not finish"):
+                        scaler.unscale_and_check(more)
+                else:
+                    assert bool(scaler.unscale_and_check(more)) is not bad, where
+                    assert more[0].tolist() == [2.0] * 3, f"{where}: divided by another scale"
+            scaler.update()  # the user's retry
+        on_device = device_state(scaler).snapshot()[0]
+        assert (on_device.steps, on_device.scale) == (1, expected), f"{where}: the rule applied twice"
+        assert on_device == scaler._mirror.state, where
+        assert_next_steps_see_their_own_verdicts(scaler, bad, where)
+
+    k, seconds = interrupted_twice(monkeypatch, StateSet, "restore", setup, check)
     assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
 
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 from fake_comm import FakeVote, FakeWorld
 from helpers import open_step
-from interrupts import interrupted, saves_refused_after_real_interrupts
+from interrupts import interrupted, interrupted_twice, saves_refused_after_real_interrupts
 
 from cupy_amp import DuplicateGradientError, GradScaler, RanksMayDisagreeError, ScalerProtocolError, SyncFreeGradScaler
 from cupy_amp.distributed import POISON
@@ -222,55 +222,33 @@ def test_update_interrupted_again_inside_its_repair_applies_the_rule_once(
     # divided by the scale the loss was multiplied by, and the state the next kernels read is the mirror's.
     # Here on the NumPy state; tests/gpu/test_lifetimes_gpu.py runs the same on a device state. Before, a
     # state left ahead of the mirror unscaled the next call's gradients with the next step's scale.
-    original = StateSet.restore
-    second_line, second_landed = 0, False
+    def setup() -> tuple[Any, Callable[[], object]]:
+        scaler, _ = new_scaler(GradScaler, False)
+        scaler.scale_loss(np.ones((), np.float32))
+        assert bool(scaler.unscale_and_check(gradients(bad))) is not bad
+        return scaler, scaler.update
 
-    def interrupted_repair(self: StateSet, *args: Any, **kwargs: Any) -> None:
-        nonlocal second_landed
-        if second_line and interrupted(lambda: original(self, *args, **kwargs), second_line):
-            second_landed = True
-            raise KeyboardInterrupt  # the second interrupt goes on out of update(), as a real one would
-        if not second_line:
-            original(self, *args, **kwargs)
+    def check(scaler: Any, where: str) -> None:
+        if scaler._step.phase != IDLE:
+            if then == "another call":
+                more = [np.full(3, CLEAN, np.float32)]
+                if scaler._step.phase == UPDATING:  # the rule may have been applied: only update() goes on
+                    with pytest.raises(ScalerProtocolError, match="update\\(\\) that did not finish"):
+                        scaler.unscale_and_check(more)
+                    assert more[0].tolist() == [CLEAN] * 3, where
+                else:
+                    assert bool(scaler.unscale_and_check(more)) is not bad, where
+                    assert more[0].tolist() == [ONCE] * 3, f"{where}: divided by another scale"
+            scaler.update()  # the user's retry
+        stats = scaler.stats()
+        assert (stats.steps, stats.skipped_steps) == (1, int(bad)), where
+        assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), where
+        assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state, where  # what kernels read
+        journaled_once(scaler, bad, where)
+        scaler.scale_loss(np.ones((), np.float32))
+        assert bool(scaler.unscale_and_check(gradients(False))), f"{where}: the next step is not clean"
 
-    monkeypatch.setattr(StateSet, "restore", interrupted_repair)
-    k, seconds = 1, 0
-    while True:
-        second_line = 0
-        while True:
-            second_landed = False
-            scaler, _ = new_scaler(GradScaler, False)
-            scaler.scale_loss(np.ones((), np.float32))
-            assert bool(scaler.unscale_and_check(gradients(bad))) is not bad
-            first_landed = interrupted(scaler.update, k)
-            if not first_landed or (second_line and not second_landed):
-                break  # past update()'s last line, or past the repair's (or no repair at this line)
-            where = f"update() line {k}, repair line {second_line}"
-            seconds += second_landed
-            if scaler._step.phase != IDLE:
-                with monkeypatch.context() as plain:
-                    plain.setattr(StateSet, "restore", original)
-                    if then == "another call":
-                        more = [np.full(3, CLEAN, np.float32)]
-                        if scaler._step.phase == UPDATING:  # the rule may have been applied: only update() goes on
-                            with pytest.raises(ScalerProtocolError, match="update\\(\\) that did not finish"):
-                                scaler.unscale_and_check(more)
-                            assert more[0].tolist() == [CLEAN] * 3, where
-                        else:
-                            assert bool(scaler.unscale_and_check(more)) is not bad, where
-                            assert more[0].tolist() == [ONCE] * 3, f"{where}: divided by another scale"
-                    scaler.update()  # the user's retry
-            stats = scaler.stats()
-            assert (stats.steps, stats.skipped_steps) == (1, int(bad)), where
-            assert scaler.scale_factor() == (SCALE / 2 if bad else SCALE * 2), where
-            assert scaler._scaling.all()[0].snapshot()[0] == scaler._mirror.state, where  # what kernels read
-            journaled_once(scaler, bad, where)
-            scaler.scale_loss(np.ones((), np.float32))
-            assert bool(scaler.unscale_and_check(gradients(False))), f"{where}: the next step is not clean"
-            second_line += 1
-        if not first_landed:
-            break
-        k += 1
+    k, seconds = interrupted_twice(monkeypatch, StateSet, "restore", setup, check)
     assert k > 10 and seconds > 20  # both sweeps went through their calls' lines
 
 
