@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -183,9 +184,9 @@ class Face:
         with self._step.lock.turn, self._step.admit():
             self._step.refuse_scale_loss()
             lane = self._lane
-            state = self._place(lane, backend, backend.location(array)[1])
+            state = lane.loss_state(functools.partial(self._place, lane, backend, backend.location(array)[1]))
             self._step.scaled()  # also while disabled: enabling now would unscale a loss that was not scaled
-            lane.scale_loss(state, array)
+            state.scale_loss(array)
 
     def abandon_step(self) -> None:
         """End a step whose backward pass failed: after ``scale_loss``, before any gradient call.

@@ -213,11 +213,12 @@ class GradScaler(Face):
             communicator = lane.unscale_collective(self._communicator)
             with self._step.gradient_call(UNSCALED, lane, communicator) as scope:
                 call = parse_gradients(gradients, self._cache, one_device=_ONE_DEVICE if communicator else None)
-                state = self._place(lane, call.backend, call.devices[0] if call.devices else -1)
-                for device in call.devices[1:]:
+                devices = lane.unscale_devices(call)
+                state = self._place(lane, call.backend, devices[0])
+                for device in devices[1:]:
                     self._place(lane, call.backend, device)  # each device's kernels read the scale from a state there
                 self._step.open_call(scope, call, state)
-                if len(call.devices) > 1:
+                if len(devices) > 1:
                     culprits = self._unscale_on_each_device(lane, call, scope)
                 else:
                     culprits = self._settle(lane, state, call, unscale_call(call, state, scope))

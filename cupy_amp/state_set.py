@@ -21,7 +21,7 @@ from cupy_amp.errors import GradientTypeError, GradientValueError, ScalerProtoco
 from cupy_amp.rule import ScalerConfig, ScalerState
 from cupy_amp.state import Backend, Call, Snapshot, State
 
-__all__ = ["CallRecord", "GuardSet", "StateSet", "where"]
+__all__ = ["LEFT_AS_IS", "CallRecord", "GuardSet", "LossLeftAsIs", "StateSet", "where"]
 
 
 def where(device: int) -> str:
@@ -112,9 +112,13 @@ class StateSet:
 
     # What a step does through its lane: a scaling lane scales, claims and unscales; GuardSet does none of it.
 
-    def scale_loss(self, state: State, loss: Any) -> None:
-        """Multiply ``loss`` in place by ``state``'s scale (queued)."""
-        state.scale_loss(loss)
+    def loss_state(self, place: Callable[[], State]) -> State | LossLeftAsIs:
+        """Return the state whose scale multiplies a loss: ``place()``, the state where the loss is."""
+        return place()
+
+    def unscale_devices(self, call: Call) -> tuple[int, ...]:
+        """Return the devices whose states an unscale of ``call`` runs on: each of its arrays' (-1: none)."""
+        return call.devices or (-1,)
 
     def claim(self, claims: StepClaims, call: Call) -> StepClaims:
         """Return ``claims`` with the memory an unscale of ``call`` writes (see :meth:`StepClaims.with_call`)."""
@@ -208,19 +212,35 @@ class StateSet:
         self.finite[()] = not overflow
 
 
+class LossLeftAsIs:
+    """What the null lane gives ``scale_loss`` for a state: a loss left as it is, nothing placed or queued."""
+
+    def scale_loss(self, loss: Any) -> None:
+        """Leave ``loss`` as it is."""
+
+
+LEFT_AS_IS = LossLeftAsIs()
+
+
 class GuardSet(StateSet):
     """The null lane of a disabled ``GradScaler``: scale 1 for good, and steps that change nothing the user sees.
 
-    A loss is not multiplied, gradients are neither unscaled nor claimed (the
-    same gradients may come twice), an unscale joins no collective (it ran
-    nothing to agree on), and a step ends without the rule, its statistics
+    A loss is not multiplied (and no state is placed for it), gradients are
+    neither unscaled nor claimed (the same gradients may come twice), an
+    unscale joins no collective and reads one verdict (it ran nothing, on any
+    device), and a step ends without the rule, its statistics
     records saying "skip". ``check()`` still computes its statistics here,
     with inverse scale 1. Its call records are its own: the scaler goes on
     reporting the last enabled step's.
     """
 
-    def scale_loss(self, state: State, loss: Any) -> None:
-        """Leave the loss as it is."""
+    def loss_state(self, place: Callable[[], State]) -> State | LossLeftAsIs:
+        """Place nothing: the loss is left as it is."""
+        return LEFT_AS_IS
+
+    def unscale_devices(self, call: Call) -> tuple[int, ...]:
+        """Return one device, the first: the call runs nothing, and one state holds its verdict."""
+        return call.devices[:1] or (-1,)
 
     def claim(self, claims: StepClaims, call: Call) -> StepClaims:
         """Claim nothing: nothing is written."""

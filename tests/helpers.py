@@ -142,7 +142,15 @@ def refuses_every_call(scaler: Any, optimizer: Any = None, xp: Any = np) -> None
         lambda: scaler.unscale_and_check(grads),
         lambda: scaler.check(grads),
         lambda: scaler.load_checkpoint(type(scaler)().checkpoint()),
+        scaler.journal,
+        scaler.journal_names,
+        scaler.gradient_numerics,
+        scaler.nonfinite_gradients,
     ]
+    if hasattr(scaler, "set_enabled"):  # GradScaler's
+        calls += [scaler.is_enabled, lambda: scaler.set_enabled(True)]
+    else:  # SyncFreeGradScaler's
+        calls += [lambda: scaler.prepare(grads), lambda: scaler.apply_if_finite([xp.zeros(2, xp.float32)], grads)]
     if optimizer is not None:
         calls.append(lambda: scaler.step(optimizer, [xp.ones(3, xp.float32), xp.ones(2, xp.float32)]))
     for call in calls:

@@ -2,9 +2,10 @@
 
 A ``sys.settrace`` hook counts the line events of cupy_amp's own frames and
 acts at the k-th. Lines where no signal is ever delivered are not counted: the
-bare ``try:``/``else:``/``finally:`` lines, and the second event CPython gives
-a ``with`` line when its block ends, just before the context manager's C
-``__exit__`` (a trace function raising there is an artifact of tracing).
+bare ``try:``/``else:``/``finally:`` lines, and the events CPython gives a
+``with`` line when its block ends, just before each context manager's
+``__exit__`` (a trace function raising there is an artifact of tracing: it can
+skip the managers' exits, which no signal can).
 """
 
 from __future__ import annotations
@@ -44,20 +45,21 @@ def interrupted(
     counted = frozenset(os.path.realpath(path) for path in also)
     seen = 0
     reached = False
-    with_visits: dict[tuple[Any, int], int] = {}  # (frame, line) -> events so far, for `with` lines
+    last_line: dict[Any, int] = {}  # frame -> the line of its last line event
 
     def line(frame: Any, event: str, arg: Any) -> Any:
         nonlocal seen, reached
         if event != "line":
             return line
+        previous, last_line[frame] = last_line.get(frame, -1), frame.f_lineno
         text = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
         if text in _BARE:
             return line
-        if text.startswith("with "):
-            key = (frame, frame.f_lineno)
-            with_visits[key] = with_visits.get(key, 0) + 1
-            if with_visits[key] % 2 == 0:  # the block's end, before __exit__
-                return line
+        if text.startswith("with ") and previous >= frame.f_lineno:
+            # The block's end, before a context manager's __exit__: one event per manager when the block
+            # raised (three for `with a, b, c:`), one in all when it did not. The statement is entered
+            # from a line above it (the line before it, or a loop's header).
+            return line
         seen += 1
         if seen == k:
             reached = True

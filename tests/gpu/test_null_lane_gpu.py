@@ -36,6 +36,7 @@ def run(xp: Any) -> dict[str, Any]:
     loss, grads = xp.full((), 3.0, xp.float32), gradients(xp)
     before = bits([loss, *grads])
     scaler.scale_loss(loss)
+    assert scaler._guard.states == {}, "a disabled scale_loss placed a state"
     assert scaler.unscale_and_check(grads) is True
     assert scaler.unscale_and_check(grads) is True  # nothing claimed: the same gradients again
     scaler.update()

@@ -137,6 +137,7 @@ def test_scale_loss_while_disabled_is_a_no_op() -> None:
     assert scaler.scale_loss(loss) is None
     assert identical(loss, saved)
     assert snapshot(scaler) == before
+    assert scaler._guard.states == {} and scaler._scaling.states == {}  # no state placed for the loss
 
 
 def test_scale_loss_while_disabled_still_validates() -> None:

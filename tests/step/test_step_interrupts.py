@@ -390,6 +390,32 @@ def test_a_later_call_of_a_step_interrupted_at_any_line_keeps_the_earlier_claims
     sweep(attempt)
 
 
+@pytest.mark.parametrize("face", FACES)
+@pytest.mark.parametrize("bad", [False, True], ids=["finite", "inf"])
+def test_a_refused_call_interrupted_at_any_line_leaves_the_scaler_usable(face: type, bad: bool) -> None:
+    # A call refused inside the scaler's `with` (memory an earlier call unscaled: DuplicateGradientError) leaves
+    # that line with one line event per context manager; an interrupt at any line a signal can reach still
+    # releases the scaler's locks, so the next call is not taken for one made from inside a call.
+    def attempt(k: int) -> bool:
+        scaler, _ = new_scaler(face, False)
+        scaler.scale_loss(np.ones((), np.float32))
+        first = gradients(bad)
+        assert bool(scaler.unscale_and_check(first)) is not bad
+
+        def refused() -> None:
+            with pytest.raises(DuplicateGradientError):
+                scaler.unscale_and_check([np.full(2, CLEAN, np.float32), first[0][1:3]])
+
+        if not interrupted(refused, k):
+            return False
+        assert scaler.is_step_open(), f"line {k}"
+        finish_step(scaler)
+        keeps_working(scaler)
+        return True
+
+    sweep(attempt)
+
+
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs POSIX interval timers")
 @pytest.mark.parametrize("face", FACES)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # a signal in a gc callback
