@@ -57,8 +57,10 @@ def interrupted(
             return line
         if text.startswith("with ") and previous >= frame.f_lineno:
             # The block's end, before a context manager's __exit__: one event per manager when the block
-            # raised (three for `with a, b, c:`), one in all when it did not. The statement is entered
-            # from a line above it (the line before it, or a loop's header).
+            # raised (three for `with a, b, c:`), one in all when it did not. A statement on one line is
+            # entered from a line above it (the line before it, or a loop's header); a header over several
+            # lines also gets an event after its later lines, skipped here, where its managers are not yet
+            # entered (cupy_amp has one, an np.errstate).
             return line
         seen += 1
         if seen == k:
