@@ -51,7 +51,7 @@ from cupy_amp.rule import ScalerConfig
 from cupy_amp.state import Call, State
 from cupy_amp.state_set import CallRecord, StateSet
 
-__all__ = ["IDLE", "INSPECTED", "OPEN", "SCALED", "UNSCALED", "UPDATING", "CallRecord", "Step", "scale_fixed_at_one"]
+__all__ = ["IDLE", "INSPECTED", "OPEN", "SCALED", "UNSCALED", "UPDATING", "Step", "scale_fixed_at_one"]
 
 # Where a step stands: none open; the loss was scaled; gradients were unscaled; gradients were inspected by
 # check() (read, not written: the fused optimizers unscale them). update() follows either of the last two.
