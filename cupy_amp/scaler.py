@@ -190,7 +190,8 @@ class GradScaler(Face):
         current stream, then one synchronizing read of a single overflow flag
         per device (after an overflow, also of the per-gradient flags). With
         NumPy arrays nothing is asynchronous. Disabled: validates the argument,
-        returns True and touches nothing. If the call fails once arrays may have
+        touches nothing and returns True (False once a call of the same step
+        failed part way, which counts as an overflow). If the call fails once arrays may have
         been written (a device error, an interrupt, a communicator error), the
         exception propagates and the call still counts, as an overflow: its
         gradients are refused if passed again in this step, and ``update()``
