@@ -107,10 +107,11 @@ def interrupted_twice(
     def cut(self: Any, *args: Any, **kwargs: Any) -> Any:
         if not second["line"]:
             return original(self, *args, **kwargs)
-        if interrupted(lambda: original(self, *args, **kwargs), second["line"]):
+        result: list[Any] = []
+        if interrupted(lambda: result.append(original(self, *args, **kwargs)), second["line"]):
             second["landed"] = True
             raise KeyboardInterrupt
-        return None
+        return result[0]  # ran through: what the method returned
 
     patch.setattr(owner, method, cut)
     k, seconds = 1, 0
